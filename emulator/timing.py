@@ -1,0 +1,149 @@
+"""The timing model: modelled hardware resources with queues, in virtual nanoseconds.
+
+Bytes move for real elsewhere; here only time is computed ("compute, then
+hold", as FEMU does). Each resource serves requests in the order they are
+reserved; a request gets a start (when the resource is free and the request is
+ready) and a finish. Bandwidths are in GB/s, which is bytes per nanosecond.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from dataclasses import dataclass, field
+
+from .config import Config
+
+
+@dataclass
+class Pipe:
+    """A serial server with a fixed per-request latency and a bandwidth.
+
+    The latency is pipelined (it does not occupy the pipe); the transfer
+    occupies it for bytes / bandwidth.
+    """
+
+    name: str
+    latency_ns: float
+    bandwidth_gbps: float
+    free_at: float = 0.0
+    busy_ns: float = 0.0
+    bytes: int = 0
+
+    def transfer(self, ready: float, nbytes: int, slowdown: float = 1.0) -> float:
+        """Reserve the pipe for ``nbytes`` no earlier than ``ready``; return the arrival time."""
+        occupancy = nbytes / self.bandwidth_gbps * slowdown
+        start = max(ready, self.free_at)
+        self.free_at = start + occupancy
+        self.busy_ns += occupancy
+        self.bytes += nbytes
+        return self.free_at + self.latency_ns * slowdown
+
+
+@dataclass
+class Clocked:
+    """The controller pipeline: work is counted in cycles of its clock."""
+
+    name: str
+    clock_mhz: float
+    free_at: float = 0.0
+    busy_ns: float = 0.0
+
+    def run(self, ready: float, cycles: int) -> float:
+        occupancy = cycles * 1000.0 / self.clock_mhz
+        start = max(ready, self.free_at)
+        self.free_at = start + occupancy
+        self.busy_ns += occupancy
+        return self.free_at
+
+
+class SsdModel:
+    """One SSD: up to ``parallelism`` commands in service, media bandwidth per
+    direction, and reads slowed by ``read_slowdown_under_writes`` while any
+    write is in flight (program/erase interference)."""
+
+    def __init__(self, index: int, cfg: Config):
+        s = cfg.ssd
+        self.name = f"ssd{index}"
+        self.read_latency_ns = s.read_latency_ns
+        self.write_latency_ns = s.write_latency_ns
+        self.slowdown = s.read_slowdown_under_writes
+        self._slots = [0.0] * s.parallelism  # min-heap of when each command slot frees
+        self.read_media = Pipe(f"{self.name}.read", 0.0, s.read_bandwidth_gbps)
+        self.write_media = Pipe(f"{self.name}.write", 0.0, s.write_bandwidth_gbps)
+        self.writes_until = 0.0  # virtual time the last reserved write finishes
+        self._read_finishes: list[float] = []  # min-heap, for reads_in_flight()
+        self.slowed_reads = 0
+
+    def _slot(self, ready: float) -> float:
+        return max(ready, self._slots[0])
+
+    def read(self, ready: float, nbytes: int) -> float:
+        start = self._slot(ready)
+        slow = self.slowdown if start < self.writes_until else 1.0
+        self.slowed_reads += slow > 1.0
+        finish = self.read_media.transfer(start + self.read_latency_ns * slow, nbytes, slow)
+        heapq.heapreplace(self._slots, finish)
+        heapq.heappush(self._read_finishes, finish)
+        return finish
+
+    def write(self, ready: float, nbytes: int) -> float:
+        start = self._slot(ready)
+        finish = self.write_media.transfer(start + self.write_latency_ns, nbytes)
+        heapq.heapreplace(self._slots, finish)
+        self.writes_until = max(self.writes_until, finish)
+        return finish
+
+    def reads_in_flight(self, now: float) -> int:
+        while self._read_finishes and self._read_finishes[0] <= now:
+            heapq.heappop(self._read_finishes)
+        return len(self._read_finishes)
+
+    @property
+    def busy_ns(self) -> float:
+        return self.read_media.busy_ns + self.write_media.busy_ns
+
+
+@dataclass
+class LatencyLog:
+    """Per-operation modelled latencies, kept compactly for percentiles."""
+
+    samples: dict[str, array] = field(default_factory=dict)
+
+    def add(self, kind: str, latency_ns: float) -> None:
+        self.samples.setdefault(kind, array("d")).append(latency_ns)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for kind, values in self.samples.items():
+            ordered = sorted(values)
+            n = len(ordered)
+
+            def pct(p: float) -> float:
+                return ordered[min(n - 1, int(p / 100.0 * n))]
+
+            out[kind] = {"count": n, "mean_ns": sum(ordered) / n, "p50_ns": pct(50), "p99_ns": pct(99), "max_ns": ordered[-1]}
+        return out
+
+
+class TimingModel:
+    """All modelled resources of one device."""
+
+    def __init__(self, cfg: Config):
+        link = cfg.host_link
+        self.link_to_host = Pipe("link.to_host", link.latency_ns, link.bandwidth_gbps)
+        self.link_to_device = Pipe("link.to_device", link.latency_ns, link.bandwidth_gbps)
+        self.controller = Clocked("controller", cfg.controller.clock_mhz)
+        self.dram = Pipe("dram", cfg.dram.latency_ns, cfg.dram.bandwidth_gbps)
+        self.ssds = [SsdModel(i, cfg) for i in range(cfg.ssd.count)]
+        self.latencies = LatencyLog()
+
+    def reads_in_flight(self, now: float) -> int:
+        return sum(s.reads_in_flight(now) for s in self.ssds)
+
+    def busy(self) -> dict[str, float]:
+        out = {p.name: p.busy_ns for p in (self.link_to_host, self.link_to_device, self.controller, self.dram)}
+        for s in self.ssds:
+            out[s.read_media.name] = s.read_media.busy_ns
+            out[s.write_media.name] = s.write_media.busy_ns
+        return out
