@@ -29,7 +29,7 @@ from .prefetch import PrefetchEngine
 from .ssd import SsdBackend, locate
 from .timing import TimingModel
 
-CHUNK_PAGES = 64  # a large read is staged and copied in chunks of at most this many pages
+MAX_CHUNK_PAGES = 64  # a large read is staged and copied in chunks of at most this many pages
 
 
 class DramRegion:
@@ -85,6 +85,8 @@ class Controller:
         self.dirty: deque[tuple[int, float]] = deque()  # (frame, write time), oldest first
         self.flights: list[Flight] = []
         self.engine = PrefetchEngine(-(-cfg.policy.prefetch_window_bytes // self.page), cfg.policy.prefetch_max_handles)
+        # Pages a read pins at once: never more than the frames prefetches can leave unpinned.
+        self.chunk_pages = max(1, min(MAX_CHUNK_PAGES, cfg.read_staging_frames - self.engine.window_pages))
         self.staged: dict[int, Staged] = {}
         self._next_handle = 1
         self.stats = dict.fromkeys((
@@ -158,8 +160,9 @@ class Controller:
             if ins.victim_dirty:
                 ready = self._write_back_victim(frame, ins.victim_page, now)
         self._settle(frame)  # a frame is only reused once its earlier read has landed
-        self.ready_at[frame] = self.timing.dram.transfer(self._ssd_of(page).read(now, self.page), self.page)
-        self.ready_at[frame] = max(self.ready_at[frame], ready)
+        # The SSD-to-DRAM DMA is not charged to the DRAM pipe: DRAM outruns the SSDs, and a
+        # reservation at the future arrival time would hold up host accesses issued before it.
+        self.ready_at[frame] = max(self._ssd_of(page).read(now, self.page), ready)
         self.io_token[frame] = self._media_io(SsdBackend.READ, frame, page)
         self.stats["ssd_read_bytes"] += self.page
         return frame
@@ -262,8 +265,8 @@ class Controller:
         self.stats["read_bytes"] += length
         t = self._cycles(now, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_lookup)
         finish = t
-        for chunk_start in range(0, len(pages), CHUNK_PAGES):
-            chunk = pages[chunk_start: chunk_start + CHUNK_PAGES]
+        for chunk_start in range(0, len(pages), self.chunk_pages):
+            chunk = pages[chunk_start: chunk_start + self.chunk_pages]
             frames = []
             for page in chunk:
                 frame = self.policy.lookup(page)
@@ -304,6 +307,9 @@ class Controller:
         pages = self._pages(addr, length)
         arrived = self.timing.link_to_device.transfer(now, length)
         new_pages = sum(1 for p in pages if self.policy.write_lookup(p) is None)
+        if new_pages > self.cfg.write_buffer_frames > 0:
+            raise ChmError(errno.EINVAL, f"write of {length} bytes at {addr} spans {new_pages} pages, more than the whole "
+                                         f"write buffer ({self.cfg.write_buffer_frames} pages): split it")
         if not self.policy.admit_writes(new_pages):
             self.stats["refused_writes"] += 1
             self.stats["refused_write_bytes"] += length
@@ -364,7 +370,7 @@ class Controller:
                 self._frame_view(frame)[:] = self._frame_view(copy)
             return max(now, self.ready_at[copy])
         self.stats["rmw_reads"] += 1
-        done = self.timing.dram.transfer(self._ssd_of(page).read(now, self.page), self.page)
+        done = self._ssd_of(page).read(now, self.page)
         self.stats["ssd_read_bytes"] += self.page
         token = self._media_io(SsdBackend.READ, frame, page)
         if token is not None:
