@@ -1,0 +1,7 @@
+"""``python -m emulator`` is ``chm``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
