@@ -20,6 +20,22 @@ from .device import Device
 from .errors import WriteBufferFull
 
 
+def read_in_order(dev: Device, objects: int, object_bytes: int, window: int):
+    """Read objects 0..objects-1 in order, keeping up to ``window`` prefetches
+    in flight ahead of the reader (issue -> wait -> read -> release).
+    Yields (index, bytes)."""
+    handles = {}
+    for i in range(objects):
+        for j in range(i, min(objects, i + window)):
+            if j not in handles:
+                handles[j] = dev.prefetch(j * object_bytes, object_bytes)
+        if i in handles:
+            dev.wait(handles[i])
+        yield i, dev.read(i * object_bytes, object_bytes)
+        if i in handles:
+            dev.release(handles.pop(i))
+
+
 def run_workload(dev: Device, objects: int, object_bytes: int, passes: int, window: int, progress=None) -> dict:
     """Write ``objects`` objects, then read them ``passes`` times in order.
 
@@ -45,17 +61,8 @@ def run_workload(dev: Device, objects: int, object_bytes: int, passes: int, wind
     before = dev.stats()
     mismatches = 0
     for _ in range(passes):
-        handles = {}
-        for i in range(objects):
-            for j in range(i, min(objects, i + window)):
-                if j not in handles:
-                    handles[j] = dev.prefetch(j * object_bytes, object_bytes)
-            if i in handles:
-                dev.wait(handles[i])
-            data = dev.read(i * object_bytes, object_bytes)
+        for i, data in read_in_order(dev, objects, object_bytes, window):
             mismatches += hashlib.sha256(data).digest() != digests[i]
-            if i in handles:
-                dev.release(handles.pop(i))
             if progress:
                 progress.update()
     after = dev.stats()

@@ -3,6 +3,7 @@
 import pytest
 
 from emulator import Device, load_profile
+from emulator.demo import read_in_order
 
 MiB = 1 << 20
 SMALL = load_profile("small")
@@ -95,16 +96,8 @@ OBJECTS = 32  # 8 MiB scanned: twice the DRAM
 
 
 def _scan(dev, window):
-    handles = {}
-    for i in range(OBJECTS):
-        for j in range(i, min(OBJECTS, i + window)):
-            if j not in handles:
-                handles[j] = dev.prefetch(j * OBJECT, OBJECT)
-        if i in handles:
-            dev.wait(handles[i])
-        dev.read(i * OBJECT, OBJECT)
-        if i in handles:
-            dev.release(handles.pop(i))
+    for _ in read_in_order(dev, OBJECTS, OBJECT, window):
+        pass
 
 
 def test_lru_sequential_scan_larger_than_dram_never_hits_on_second_pass(open_dev):
