@@ -149,6 +149,7 @@ class HymCachePolicy(Policy):
         self.write_area = Area(cfg.read_staging_frames, cfg.write_buffer_frames)
         self.areas.append(self.write_area)
         self.admission = WriteAdmission(cfg.write_buffer_frames)
+        self._free_when_unpinned: set[int] = set()
         page = cfg.device.page_size_bytes
         self.arbiter = FlushArbiter(cfg.policy.flush_batch_bytes // page, cfg.policy.flush_max_reads_in_flight,
                                     cfg.policy.flush_max_delay_ns)
@@ -172,8 +173,24 @@ class HymCachePolicy(Policy):
     def flushed(self, frame):
         super().flushed(frame)
         if frame in self.write_area:
-            self.write_area.table.invalidate(frame - self.write_area.base)
-            self.admission.release(1)
+            if self.pins(frame):  # a read is copying out of it right now: free it when that ends
+                self._free_when_unpinned.add(frame)
+            else:
+                self._free_write_frame(frame)
+
+    def unpin(self, frame):
+        super().unpin(frame)
+        if frame in self._free_when_unpinned and self.pins(frame) == 0:
+            self._free_when_unpinned.discard(frame)
+            self._free_write_frame(frame)
+
+    def mark_dirty(self, frame):
+        super().mark_dirty(frame)
+        self._free_when_unpinned.discard(frame)  # rewritten before it was freed: it stays
+
+    def _free_write_frame(self, frame):
+        self.write_area.table.invalidate(frame - self.write_area.base)
+        self.admission.release(1)
 
     def released(self, frame):
         if frame in self.read_area and self.pins(frame) == 0:
