@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,20 +20,25 @@ from .errors import ChmError
 
 
 class Device:
-    def __init__(self, controller: Controller, owned_dir: str | None = None):
+    def __init__(self, controller: Controller, owned_dir: str | None = None, pacing: bool = False):
         self._ctl: Controller | None = controller
         self._owned_dir = owned_dir
         self.clock_ns = 0.0  # this caller's virtual time
         self.last_latency_ns = 0.0
+        self.pacing = pacing
+        self._wall_start = time.perf_counter()
 
     @classmethod
     def open(cls, profile: str | Path = "small", media_dir: str | Path | None = None, policy: str | None = None,
-             config: Config | None = None, overrides: Mapping[str, Any] | None = None) -> "Device":
+             config: Config | None = None, overrides: Mapping[str, Any] | None = None,
+             pacing: bool = False) -> "Device":
         """Open a device from a shipped profile (or ``config``) on a media directory.
 
         ``policy`` overrides the profile's ``policy.name``; ``overrides`` maps
         dotted field names (``"dram.size_bytes"``) to values. Without a media
         directory the device lives in a temporary one, removed on close.
+        With ``pacing`` each call returns no earlier (in wall time since open)
+        than its modelled finish, so the caller feels the device's latency.
         """
         cfg = config if config is not None else load_profile(profile)
         changes = dict(overrides or {})
@@ -44,7 +50,7 @@ class Device:
         if media_dir is None and cfg.emulation.data:
             owned = media_dir = tempfile.mkdtemp(prefix="chm-media-")
         try:
-            return cls(Controller(cfg, media_dir), owned)
+            return cls(Controller(cfg, media_dir), owned, pacing)
         except BaseException:
             if owned:
                 shutil.rmtree(owned, ignore_errors=True)
@@ -64,6 +70,10 @@ class Device:
     def _advance(self, finish: float) -> None:
         self.last_latency_ns = finish - self.clock_ns
         self.clock_ns = finish
+        if self.pacing:
+            ahead = self._wall_start + finish / 1e9 - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
 
     # ---- the API ---------------------------------------------------------------
     def write(self, addr: int, data) -> int:

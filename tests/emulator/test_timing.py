@@ -142,3 +142,15 @@ def test_prefetch_then_wait_costs_the_staging_time(open_dev):
     dev.read(0, 4 * MiB)
     assert dev.last_latency_ns <= LINK_NS + 4 * MiB / LINK_GBPS * 1.12 + 500  # now a DRAM hit
     dev.release(h)
+
+
+def test_pacing_holds_each_call_until_its_modelled_finish(media_dir):
+    import time
+
+    slow_link = {"host_link.bandwidth_gbps": 0.02}  # 1 MiB takes ~52 ms of modelled time each way
+    with Device.open("small", media_dir, policy="lru", overrides=slow_link, pacing=True) as dev:
+        start = time.perf_counter()
+        dev.write(0, bytes(MiB))
+        dev.read(0, MiB)
+        assert dev.clock_ns > 100e6
+        assert time.perf_counter() - start >= dev.clock_ns / 1e9
