@@ -6,13 +6,14 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := liburing-dev fio iverilog pkg-config
 STAMP := $(VENV)/.installed
 
-.PHONY: all setup test demo bench clean help
+.PHONY: all setup test demo bench clean help rtl-test
 
 all: setup
 
 help:
 	@echo "make demo   - run the demo on built-in defaults (installs what is missing)"
 	@echo "make test   - run the whole test suite (installs what is missing)"
+	@echo "make rtl-test - only the RTL benches (cocotb + Icarus; SIM=verilator for Verilator)"
 	@echo "make bench  - benchmarks, side by side with their physical limits / peers"
 
 # Debian packages, only when one is missing (apt-get update at most once).
@@ -38,6 +39,10 @@ setup: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# RTL benches in lockstep with the emulator's reference models (also part of `make test`).
+rtl-test: $(STAMP)
+	$(PY) -m pytest -q tests/rtl_model
 
 demo: setup
 	$(VENV)/bin/chm demo

@@ -1,0 +1,1 @@
+"""cocotb test benches, one folder per block (``tb/<module>/test_<module>.py``)."""
