@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := liburing-dev fio iverilog pkg-config
 STAMP := $(VENV)/.installed
 
-.PHONY: all setup test demo bench clean help rtl-test
+.PHONY: all setup test demo bench clean help libchm install rtl-test
 
 all: setup
 
@@ -35,7 +35,18 @@ $(STAMP): pyproject.toml .apt-stamp
 	$(PY) -m emulator.uring_build
 	@touch $@
 
-setup: $(STAMP)
+setup: $(STAMP) libchm
+
+# libchm.so, the driver's wire module and the Python binding (issue 3).
+PREFIX ?= /usr/local
+libchm: $(STAMP)
+	$(MAKE) -s -C libchm
+	$(PY) -m driver.wire_build
+	$(PY) -m libchm.ffi_build
+
+# Header, library and pkg-config file under $(PREFIX) (e.g. make install PREFIX=$$HOME/.local).
+install: libchm
+	$(MAKE) -C libchm install PREFIX=$(PREFIX)
 
 test: setup
 	$(PY) -m pytest -q tests
@@ -51,4 +62,4 @@ bench: setup
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) .apt-stamp emulator/_uring* build *.egg-info
+	rm -rf $(VENV) .apt-stamp emulator/_uring* build *.egg-info driver/_wire* libchm/_chm* libchm/build

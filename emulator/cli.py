@@ -50,11 +50,17 @@ def register_info(sub) -> None:
                        description="Print the modelled hardware of a device profile (shipped name or TOML path).")
     p.add_argument("--profile", default="small", help="profile name (small, paper, cmmh) or path to a TOML file")
     p.add_argument("--json", action="store_true", help="print the whole validated profile as JSON")
+    p.add_argument("--device", metavar="NODE", help="describe the running device at this node (chm serve) instead")
     p.set_defaults(func=_info)
 
 
 def _info(args) -> int:
     import json
+
+    if args.device:  # a running device: the driver reads its node (lazy import: the emulator does not need it)
+        from driver.node_info import print_device_info
+
+        return print_device_info(args.device, args.json)
 
     from .config import load_profile
 

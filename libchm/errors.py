@@ -1,0 +1,21 @@
+"""libchm's exceptions: the same shape as the emulator's (``emulator.errors``),
+so host code catches the same names whichever device it talks to, without
+libchm importing the emulator."""
+
+import errno as _errno
+
+
+class ChmError(Exception):
+    """A device error. ``errno`` is the positive errno value (EINVAL, ERANGE, ...)."""
+
+    def __init__(self, err: int, message: str):
+        super().__init__(f"[{_errno.errorcode.get(err, err)}] {message}")
+        self.errno = err
+        self.message = message
+
+
+class WriteBufferFull(ChmError):
+    """The write buffer had no room: nothing was written; retry later (EAGAIN)."""
+
+    def __init__(self, message: str):
+        super().__init__(_errno.EAGAIN, message)

@@ -1,0 +1,35 @@
+"""cffi (API mode) build of ``libchm._chm``, the Python binding's C side.
+
+It links the real ``libchm.so`` (built by ``make -C libchm``; found at run
+time through an rpath to ``libchm/build``) and takes its declarations from
+``include/chm.h`` itself (the text between the cdef markers).
+"""
+
+import subprocess
+from pathlib import Path
+
+import cffi
+
+HERE = Path(__file__).resolve().parent
+MODULE = "libchm._chm"
+
+
+def make_ffi() -> cffi.FFI:
+    text = (HERE / "include" / "chm.h").read_text()
+    begin = text.index("*/", text.index("---- cdef begin ----")) + 2
+    end = text.index("/* ---- cdef end ---- */")
+    ffi = cffi.FFI()
+    ffi.cdef(text[begin:end])
+    ffi.set_source(MODULE, '#include "chm.h"', include_dirs=[str(HERE / "include")],
+                   library_dirs=[str(HERE / "build")], libraries=["chm"],
+                   extra_link_args=["-Wl,-rpath,$ORIGIN/build"])
+    return ffi
+
+
+def build() -> None:
+    subprocess.run(["make", "-s", "-C", str(HERE)], check=True)
+    make_ffi().compile(tmpdir=str(HERE.parent), verbose=False)
+
+
+if __name__ == "__main__":
+    build()

@@ -1,0 +1,155 @@
+/*
+ * chm.h -- libchm, the host library of the CXL-HM device.
+ *
+ * A program opens a device node (served by `chm serve`), then reads, writes,
+ * prefetches and flushes byte ranges of the device's memory space. Each open
+ * device gets its own queue pair and its own staging buffer in shared memory;
+ * the device copies between its DRAM and that buffer.
+ *
+ * Conventions (liburing's): functions return 0 (or a byte count / handle)
+ * on success and a negative errno on failure; errno itself is not used.
+ * Common errors:
+ *   -ENODEV     no device serves that node (or it went away)
+ *   -EINVAL     bad argument (zero length, unknown or released handle, ...)
+ *   -ERANGE     address range outside the device
+ *   -EAGAIN     write refused: the write buffer is full, retry later
+ *   -ETIMEDOUT  a prefetch was not staged within the timeout
+ *   -EBUSY      prefetch window full; or a synchronous call while
+ *               asynchronous commands are in flight
+ *   -EFAULT     a staging range outside the device's buffer
+ *
+ * Threads: a chm_dev is NOT thread-safe. Like an SPDK queue pair it belongs
+ * to one thread at a time and takes no locks; open one chm_dev per thread
+ * (each gets its own queue pair). The library starts no threads.
+ *
+ * Time: every command's completion carries the modelled device latency;
+ * chm_last_latency_ns() returns it for the last synchronous call.
+ */
+#ifndef CHM_H
+#define CHM_H
+
+#include <errno.h>   /* return values are -errno: callers compare with -EAGAIN etc. */
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CHM_API_VERSION 1
+
+/* ---- cdef begin ---- (the Python binding reads its declarations from here) */
+
+typedef struct chm_dev chm_dev;   /* one opened device */
+typedef uint64_t chm_addr;        /* byte address in the device's memory space */
+typedef int64_t  chm_req;         /* prefetch handle; negative = -errno */
+
+struct chm_info {
+    uint64_t capacity_bytes;      /* the device's byte address space */
+    uint64_t dram_bytes;          /* device DRAM */
+    uint64_t page_size;           /* DRAM frame: unit of staging and flushing */
+    uint32_t ssd_count;           /* backend SSDs */
+    uint32_t prefetch_max_handles;
+    uint64_t write_buffer_bytes;  /* hymcache write buffer (0 under lru) */
+    uint64_t prefetch_window_bytes;
+    uint64_t staging_bytes;       /* this handle's registered buffer (chm_buffer) */
+    uint32_t clients;             /* queue pairs attached to the device now */
+    uint32_t server_pid;
+    char     policy[32];          /* "lru", "hymcache", ... */
+    char     profile[192];        /* where the device's configuration came from */
+};
+
+struct chm_stats {
+    uint64_t reads, writes, prefetches, releases, flush_calls;
+    uint64_t read_bytes, write_bytes, hit_bytes, prefetch_bytes;
+    uint64_t ssd_read_bytes, ssd_write_bytes;
+    uint64_t page_hits, page_misses, merged_misses, refused_writes, evictions;
+    uint64_t flush_batches, flushed_pages, dirty_pages, prefetch_pages_held;
+    uint64_t clients;             /* queue pairs attached now */
+    uint64_t clock_ns;            /* this handle's virtual clock (modelled ns) */
+};
+
+/* Options for chm_open_opts; set .size = sizeof(struct chm_open_opts) so the
+ * struct can grow. Zero fields take the defaults. */
+struct chm_open_opts {
+    size_t   size;
+    size_t   staging_bytes;       /* default 16 MiB, or $CHM_STAGING_BYTES; at most 1 GiB */
+    uint32_t queue_entries;       /* power of two, default 64, at most 4096 */
+    uint32_t spin_us;             /* spin this long for a completion before sleeping; default 50, or $CHM_SPIN_US */
+};
+
+/* A completion of an asynchronous command (chm_submit_*, chm_reap). */
+struct chm_completion {
+    uint64_t user_data;
+    int64_t  res;                 /* bytes moved, or -errno */
+    uint64_t latency_ns;          /* modelled device latency */
+};
+
+/* Open the device node at path ("chm0" means /dev/shm/chm0; a path with a
+ * '/' is used as is; NULL: $CHM_DEVICE, else "chm0"). Returns 0, -ENODEV if
+ * no live device is there, -EPROTO on a wire version mismatch, -EINVAL for a
+ * bad name or option, -ENOMEM, or another -errno of the attach. */
+int     chm_open(const char *path, chm_dev **dev);
+int     chm_open_opts(const char *path, const struct chm_open_opts *opts, chm_dev **dev);
+/* Detach: the device releases this handle's prefetch handles. NULL is fine. */
+void    chm_close(chm_dev *dev);
+/* Fill *info (no device round trip; clients is read live). 0 or -EINVAL. */
+int     chm_get_info(chm_dev *dev, struct chm_info *info);
+
+/* Read len bytes at addr into buf. Returns len, or -ERANGE (outside the
+ * device), -EINVAL (len 0, NULL), -ENODEV (device gone). If buf lies inside
+ * chm_buffer() the device copies straight into it (zero-copy); otherwise the
+ * bytes pass through the staging buffer (larger reads are pipelined). */
+ssize_t chm_read(chm_dev *dev, chm_addr addr, void *buf, size_t len);
+/* Write len bytes from buf at addr. Returns len; -EAGAIN if the write buffer
+ * refused it (nothing written); -ERANGE, -EINVAL, -ENODEV. A write larger
+ * than the staging buffer is split: if a later part is refused the return is
+ * the byte count written before it (a short write). Zero-copy from
+ * chm_buffer() as for chm_read. */
+ssize_t chm_write(chm_dev *dev, chm_addr addr, const void *buf, size_t len);
+/* Drain the write buffer to the media. 0, -ENODEV. */
+int     chm_flush(chm_dev *dev);
+
+/* Stage [addr, addr+size) in device DRAM. Returns a handle (> 0), -EBUSY
+ * (prefetch window full), -ERANGE, -EINVAL (size 0, or larger than the window). */
+chm_req chm_prefetch_object(chm_dev *dev, chm_addr addr, size_t size);
+/* Until the object is staged. timeout_ms < 0 waits as long as it takes (in
+ * modelled time). 0, -ETIMEDOUT, -EINVAL (unknown, released or another
+ * handle's request). */
+int     chm_prefetch_wait(chm_dev *dev, chm_req req, int timeout_ms);
+/* Let the device reuse the object's frames. 0, -EINVAL (unknown or released). */
+int     chm_prefetch_release(chm_dev *dev, chm_req req);
+/* Device counters and this handle's clock. 0, -EINVAL, -ENODEV. */
+int     chm_get_stats(chm_dev *dev, struct chm_stats *stats);
+/* Text of a (negative or positive) errno value returned by libchm. */
+const char *chm_strerror(int err);
+
+/* ---- beyond the core -------------------------------------------------------- */
+
+/* The registered staging buffer shared with the device; *len gets its size.
+ * Reads and writes from/to inside it move no extra copy. NULL if dev is NULL. */
+void   *chm_buffer(chm_dev *dev, size_t *len);
+/* Modelled device latency of the last synchronous command, in ns. */
+uint64_t chm_last_latency_ns(chm_dev *dev);
+/* Stats as JSON text (every counter the device keeps) into buf; returns its
+ * length, -ENOSPC if len is too small, -EINVAL, -ENODEV. */
+ssize_t chm_stats_json(chm_dev *dev, char *buf, size_t len);
+
+/* Asynchronous commands: buf must lie inside chm_buffer(). Up to the queue
+ * depth may be in flight; completions come back in submission order via
+ * chm_reap. Returns 0, -EFAULT (buf outside the buffer), -EBUSY (queue
+ * full), -EINVAL, -ENODEV. While any is in flight the synchronous calls
+ * return -EBUSY. */
+int     chm_submit_read(chm_dev *dev, chm_addr addr, void *buf, size_t len, uint64_t user_data);
+int     chm_submit_write(chm_dev *dev, chm_addr addr, const void *buf, size_t len, uint64_t user_data);
+/* Take up to max completions, waiting until at least min_wait are there.
+ * Returns the count, -EINVAL (min_wait > max or more than in flight), -ENODEV. */
+int     chm_reap(chm_dev *dev, struct chm_completion *out, unsigned max, unsigned min_wait);
+/* ---- cdef end ---- */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CHM_H */
