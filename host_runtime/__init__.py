@@ -1,0 +1,1 @@
+"""Host runtime: software that uses the CXL-HM device (HybridGen, HyMCache, trace replay)."""
