@@ -20,9 +20,10 @@ from cocotb.triggers import RisingEdge
 from cocotb.utils import get_sim_time
 
 CLOCK_NS = 10
-# the Mooncake conversation trace beside the repository (../shared/data/traces), or $CHM_MOONCAKE_TRACE
-TRACE = Path(os.environ.get("CHM_MOONCAKE_TRACE", Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
-                            / "mooncake_conversation_trace.jsonl"))
+# the first 1000 requests of the Mooncake conversation trace, bundled with its license (tests/data/mooncake),
+# or $CHM_MOONCAKE_TRACE (e.g. the whole trace in ../shared/data/traces)
+TRACE = Path(os.environ.get("CHM_MOONCAKE_TRACE", Path(__file__).resolve().parents[2] / "tests" / "data" / "mooncake"
+                            / "conversation_trace_head1000.jsonl"))
 
 
 class LockstepMismatch(AssertionError):
