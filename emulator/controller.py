@@ -261,40 +261,81 @@ class Controller:
         self.check_range(addr, length)
         self.tick(now)
         pages = self._pages(addr, length)
-        self.stats["reads"] += 1
-        self.stats["read_bytes"] += length
+        stats = self.stats
+        stats["reads"] += 1
+        stats["read_bytes"] += length
         t = self._cycles(now, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_lookup)
-        finish = t
-        for chunk_start in range(0, len(pages), self.chunk_pages):
-            chunk = pages[chunk_start: chunk_start + self.chunk_pages]
-            frames = []
-            for page in chunk:
-                frame = self.policy.lookup(page)
-                if frame is None:
-                    self.stats["page_misses"] += 1
-                    frame = self._stage(page, t)
-                elif self.ready_at[frame] > t:
-                    self.stats["merged_misses"] += 1
+        frames = [self.policy.lookup(page) for page in pages]
+        if None not in frames:  # all resident: nothing can be evicted under us, so nothing to pin
+            for frame in frames:
+                if self.ready_at[frame] > t:
+                    stats["merged_misses"] += 1
                 else:
-                    self.stats["page_hits"] += 1
+                    stats["page_hits"] += 1
                     self.policy.touch(frame)
-                self.policy.pin(frame)
-                frames.append(frame)
-            for page, frame in zip(chunk, frames):
-                lo = max(addr, page * self.page) - page * self.page
-                hi = min(addr + length, (page + 1) * self.page) - page * self.page
-                if self.ready_at[frame] <= t:
-                    self.stats["hit_bytes"] += hi - lo
-                if self.data:
-                    self._settle(frame)
-                    if out is not None:
-                        dst = page * self.page + lo - addr
-                        out[dst: dst + hi - lo] = self._frame_view(frame, lo, hi)
-                arrive = self.timing.dram.transfer(max(t, self.ready_at[frame]), hi - lo)
-                finish = max(finish, self.timing.link_to_host.transfer(arrive, hi - lo))
-                self.policy.unpin(frame)
+            finish = self._copy_out(addr, length, pages, frames, t, out)
+        else:  # staging may evict: pin what a chunk uses until it is copied
+            finish = t
+            for chunk_start in range(0, len(pages), self.chunk_pages):
+                chunk = pages[chunk_start: chunk_start + self.chunk_pages]
+                frames = self._lookup_or_stage(chunk, t)
+                finish = max(finish, self._copy_out(addr, length, chunk, frames, t, out))
+                for frame in frames:
+                    self.policy.unpin(frame)
         self.timing.latencies.add("read", finish - now)
         return finish
+
+    def _lookup_or_stage(self, pages: range, t: float) -> list[int]:
+        """Frames for ``pages``, staging the missing ones; each is pinned (staging may evict)."""
+        frames = []
+        for page in pages:
+            frame = self.policy.lookup(page)
+            if frame is None:
+                self.stats["page_misses"] += 1
+                frame = self._stage(page, t)
+            elif self.ready_at[frame] > t:
+                self.stats["merged_misses"] += 1
+            else:
+                self.stats["page_hits"] += 1
+                self.policy.touch(frame)
+            self.policy.pin(frame)
+            frames.append(frame)
+        return frames
+
+    def _copy_out(self, addr: int, length: int, pages: range, frames: list[int], t: float, out: memoryview | None) -> float:
+        """Move the requested bytes of ``pages`` (in ``frames``) to the host; returns when the last arrives.
+
+        Frames that follow each other in DRAM are copied with one memcpy; time is charged page by page,
+        so DRAM and the link pipeline at page granularity."""
+        page_size, ready_at, io_token = self.page, self.ready_at, self.io_token
+        readies, sizes = [], []
+        run_src = run_dst = run_len = 0
+        run_last = -2  # frame that ends the pending copy run
+        first_page, end = addr // page_size, addr + length
+        for page, frame in zip(pages, frames):
+            base = page * page_size
+            lo = addr - base if page == first_page else 0
+            hi = end - base if end < base + page_size else page_size
+            ready = ready_at[frame]
+            if ready <= t:
+                self.stats["hit_bytes"] += hi - lo
+            if self.data:
+                if io_token[frame] is not None:
+                    self._settle(frame)
+                if out is not None:
+                    if frame == run_last + 1 and lo == 0:
+                        run_len += hi
+                    else:
+                        if run_len:
+                            out[run_dst: run_dst + run_len] = self.dram.view[run_src: run_src + run_len]
+                        run_src, run_dst, run_len = frame * page_size + lo, base + lo - addr, hi - lo
+                    run_last = frame if hi == page_size else -2
+            readies.append(ready if ready > t else t)
+            sizes.append(hi - lo)
+        if run_len:
+            out[run_dst: run_dst + run_len] = self.dram.view[run_src: run_src + run_len]
+        # FIFO pipes: arrivals never decrease, so the last page's is the finish
+        return self.timing.link_to_host.stream(self.timing.dram.stream(readies, sizes), sizes)[-1]
 
     # ---- writes ------------------------------------------------------------------
     def write(self, addr: int, data: memoryview | None, length: int, now: float) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from .config import Config
 
@@ -32,12 +33,20 @@ class Pipe:
 
     def transfer(self, ready: float, nbytes: int, slowdown: float = 1.0) -> float:
         """Reserve the pipe for ``nbytes`` no earlier than ``ready``; return the arrival time."""
-        occupancy = nbytes / self.bandwidth_gbps * slowdown
-        start = max(ready, self.free_at)
-        self.free_at = start + occupancy
-        self.busy_ns += occupancy
-        self.bytes += nbytes
-        return self.free_at + self.latency_ns * slowdown
+        return self.stream((ready,), (nbytes,), slowdown)[0]
+
+    def stream(self, ready: Sequence[float], sizes: Sequence[int], slowdown: float = 1.0) -> list[float]:
+        """``transfer`` of each piece in turn (piece i no earlier than ready[i]); the arrival of each."""
+        free, busy, bandwidth, latency = self.free_at, self.busy_ns, self.bandwidth_gbps, self.latency_ns * slowdown
+        arrivals = []
+        for r, n in zip(ready, sizes):
+            occupancy = n / bandwidth * slowdown
+            free = (r if r > free else free) + occupancy
+            busy += occupancy
+            arrivals.append(free + latency)
+        self.free_at, self.busy_ns = free, busy
+        self.bytes += sum(sizes)
+        return arrivals
 
 
 @dataclass
