@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := liburing-dev fio iverilog pkg-config
 STAMP := $(VENV)/.installed
 
-.PHONY: all setup test demo bench clean help libchm install rtl-test
+.PHONY: all setup test demo bench clean help libchm install rtl-test repro
 
 all: setup
 
@@ -15,6 +15,7 @@ help:
 	@echo "make test   - run the whole test suite (installs what is missing)"
 	@echo "make rtl-test - only the RTL benches (cocotb + Icarus; SIM=verilator for Verilator)"
 	@echo "make bench  - benchmarks, side by side with their physical limits / peers"
+	@echo "make repro  - reproduce the HyMCache device results by trace replay (paper scale, tens of minutes)"
 
 # Debian packages, only when one is missing (apt-get update at most once).
 .apt-stamp:
@@ -60,6 +61,10 @@ demo: setup
 
 bench: setup
 	$(PY) -m bench
+
+# Paper-scale trace replays (bench/repro_hymcache.py); REPRO="fig5 randread" runs a subset.
+repro: setup
+	$(PY) -m bench.repro_hymcache $(REPRO)
 
 clean:
 	rm -rf $(VENV) .apt-stamp emulator/_uring* build *.egg-info driver/_wire* libchm/_chm* libchm/build

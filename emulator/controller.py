@@ -17,6 +17,7 @@ Frame states (per DRAM frame):
 from __future__ import annotations
 
 import errno
+import heapq
 import mmap
 import os
 from collections import deque
@@ -83,7 +84,9 @@ class Controller:
         self.write_seq = [0] * frames
         self.queued = bytearray(frames)  # frame is in the dirty queue
         self.dirty: deque[tuple[int, float]] = deque()  # (frame, write time), oldest first
-        self.flights: list[Flight] = []
+        self.flights: list[tuple[float, int, Flight]] = []  # min-heap of (finish, issue order, flight)
+        self._flight_order = 0
+        self._flushing_pages = 0  # pages in self.flights
         self.engine = PrefetchEngine(-(-cfg.policy.prefetch_window_bytes // self.page), cfg.policy.prefetch_max_handles)
         # Pages a read pins at once: never more than the frames prefetches can leave unpinned.
         self.chunk_pages = max(1, min(MAX_CHUNK_PAGES, cfg.read_staging_frames - self.engine.window_pages))
@@ -187,6 +190,9 @@ class Controller:
     def tick(self, now: float, force: bool = False) -> None:
         """Background work at virtual time ``now``: retire finished flushes, start new ones."""
         self._complete_flights(now)
+        limit = self.policy.flush_pages_in_flight
+        if limit is not None and self._flushing_pages >= limit and not force:
+            return
         while self.dirty:
             n = self.policy.flush_grant(self.dirty, now, self.timing.reads_in_flight(now), force)
             if n == 0:
@@ -223,18 +229,21 @@ class Controller:
         if self.data:
             ssd, offset = locate(self.cfg, first_page * self.page)
             token = self.backend.submit(SsdBackend.WRITE, ssd, offset, self.dram.base_addr + run[0] * self.page, nbytes)
-        self.flights.append(Flight(run, [self.write_seq[f] for f in run], token, finish))
+        self._flight_order += 1
+        self._flushing_pages += len(run)
+        heapq.heappush(self.flights, (finish, self._flight_order, Flight(run, [self.write_seq[f] for f in run], token, finish)))
         self.stats["ssd_write_bytes"] += nbytes
         self.stats["flushed_pages"] += len(run)
 
     def _complete_flights(self, now: float) -> float:
         """Retire flushes that have landed by ``now``; returns the latest finish retired."""
         latest = 0.0
-        keep = []
-        for flight in self.flights:
-            if flight.finish > now:
-                keep.append(flight)
-                continue
+        landed = []
+        while self.flights and self.flights[0][0] <= now:
+            landed.append(heapq.heappop(self.flights))
+        landed.sort(key=lambda entry: entry[1])  # retired in issue order, as they were issued
+        for _, _, flight in landed:
+            self._flushing_pages -= len(flight.frames)
             if flight.token is not None:
                 self.backend.wait(flight.token)
             for frame, seq in zip(flight.frames, flight.seqs):
@@ -242,14 +251,13 @@ class Controller:
                 if self.write_seq[frame] == seq and not self.queued[frame]:
                     self.policy.flushed(frame)
             latest = max(latest, flight.finish)
-        self.flights = keep
         return latest
 
     def flush(self, now: float) -> float:
         """Drain everything written to the media; returns when it is there (virtual time)."""
         self.stats["flush_calls"] += 1
         self.tick(now, force=True)
-        done = max([now] + [f.finish for f in self.flights])
+        done = max([now] + [entry[0] for entry in self.flights])
         self._complete_flights(float("inf"))
         if self.data:
             self.backend.sync()
@@ -346,7 +354,6 @@ class Controller:
         self.check_range(addr, length)
         self.tick(now)
         pages = self._pages(addr, length)
-        arrived = self.timing.link_to_device.transfer(now, length)
         new_pages = sum(1 for p in pages if self.policy.write_lookup(p) is None)
         if new_pages > self.cfg.write_buffer_frames > 0:
             raise ChmError(errno.EINVAL, f"write of {length} bytes at {addr} spans {new_pages} pages, more than the whole "
@@ -358,6 +365,7 @@ class Controller:
                                   f"the buffer has no room until a flush completes")
         self.stats["writes"] += 1
         self.stats["write_bytes"] += length
+        arrived = self.timing.link_to_device.transfer(now, length)  # a refused write moves no payload
         t = self._cycles(arrived, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_admission)
         finish = t
         for page in pages:
@@ -420,7 +428,9 @@ class Controller:
 
     def _wait_flush_of(self, frame: int) -> None:
         """A write to a frame whose flush is in flight: the bytes must not change under the media write."""
-        for flight in self.flights:
+        if not self.data:  # no media writes to wait for
+            return
+        for _, _, flight in self.flights:
             if frame in flight.frames and flight.token is not None:
                 self.backend.wait(flight.token)
                 flight.token = None

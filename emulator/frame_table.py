@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from itertools import filterfalse
 from typing import NamedTuple
 
 
@@ -63,7 +64,7 @@ class FrameTable:
         if self._free[s]:
             frame = heapq.heappop(self._free[s])
         else:
-            frame = next((f for f in self._lru[s] if not self.pins[f]), None)
+            frame = self._first_unpinned(s)
             if frame is None:
                 return None
             victim_page, victim_dirty = self.page_of[frame], bool(self.dirty[frame])
@@ -80,7 +81,12 @@ class FrameTable:
         s = self.set_of(page)
         if self._free[s]:
             return None
-        return next((f for f in self._lru[s] if not self.pins[f]), None)
+        return self._first_unpinned(s)
+
+    def _first_unpinned(self, s: int) -> int | None:
+        """The least recently used frame of set ``s`` that is not pinned (the scan runs in C: during
+        write-back the LRU end can hold thousands of pinned frames)."""
+        return next(filterfalse(self.pins.__getitem__, self._lru[s]), None)
 
     def invalidate(self, frame: int) -> None:
         page = self.page_of[frame]

@@ -24,10 +24,11 @@ class Area:
 
     def __init__(self, base: int, frames: int):
         self.base = base
+        self.end = base + frames
         self.table = FrameTable(frames)
 
     def __contains__(self, frame: int) -> bool:
-        return self.base <= frame < self.base + self.table.frames
+        return self.base <= frame < self.end
 
     def lookup(self, page: int) -> int | None:
         local = self.table.lookup(page)
@@ -42,6 +43,8 @@ class Policy:
     """Base: one area (all of DRAM) used as a cache; subclasses refine."""
 
     name = "base"
+    # Most flushed pages in flight before a background flush waits (None: no bound, flushes queue up on the SSDs).
+    flush_pages_in_flight: int | None = None
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -50,7 +53,10 @@ class Policy:
 
     # -- where things are --------------------------------------------------------
     def area_of(self, frame: int) -> Area:
-        return next(a for a in self.areas if frame in a)
+        for a in self.areas:  # a plain loop: this is the hottest call of a trace replay
+            if a.base <= frame < a.end:
+                return a
+        raise ValueError(f"frame {frame} is in no DRAM area")
 
     def lookup(self, page: int) -> int | None:
         """The frame holding the page's newest data, if resident."""
@@ -78,20 +84,24 @@ class Policy:
         getattr(area.table, method)(frame - area.base)
 
     def touch(self, frame: int) -> None:
-        self._op(frame, "touch")
+        area = self.area_of(frame)
+        area.table.touch(frame - area.base)
 
     def pin(self, frame: int) -> None:
-        self._op(frame, "pin")
+        area = self.area_of(frame)
+        area.table.pin(frame - area.base)
 
     def unpin(self, frame: int) -> None:
-        self._op(frame, "unpin")
+        area = self.area_of(frame)
+        area.table.unpin(frame - area.base)
 
     def pins(self, frame: int) -> int:
         area = self.area_of(frame)
         return area.table.pins[frame - area.base]
 
     def mark_dirty(self, frame: int) -> None:
-        self._op(frame, "mark_dirty")
+        area = self.area_of(frame)
+        area.table.mark_dirty(frame - area.base)
 
     # -- decisions -------------------------------------------------------------------
     def allocate_clean(self, page: int) -> Inserted | None:
@@ -143,6 +153,9 @@ class HymCachePolicy(Policy):
     batches while reads are idle, which frees their frames."""
 
     name = "hymcache"
+    # Read-prioritized: at most this many flush batches queued on the SSDs, so a read arriving after an
+    # idle moment finds a bounded amount of write work ahead of it, not the whole write buffer.
+    FLUSH_BATCHES_IN_FLIGHT = 1
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -153,6 +166,7 @@ class HymCachePolicy(Policy):
         page = cfg.device.page_size_bytes
         self.arbiter = FlushArbiter(cfg.policy.flush_batch_bytes // page, cfg.policy.flush_max_reads_in_flight,
                                     cfg.policy.flush_max_delay_ns)
+        self.flush_pages_in_flight = self.FLUSH_BATCHES_IN_FLIGHT * self.arbiter.batch_pages
 
     def lookup(self, page):
         frame = self.write_area.lookup(page)

@@ -1,0 +1,14 @@
+"""Trace replay: the emulator's controller driven by request traces in virtual time.
+
+    from host_runtime.replay import HymcacheMicrobench, run_replay
+    result = run_replay(HymcacheMicrobench(64 << 20, turns=4), "cmmh", "lru")
+
+See README.md beside this file and ``chm replay --help``.
+"""
+
+from .driver import VARIANTS, HostIndex, Replay, replay_config, run_replay, window_blocks
+from .models import MODELS, KvModel, get_model
+from .traces import ConversationGenerator, HymcacheMicrobench, MooncakeTrace, RandomReadBench, Workload
+
+__all__ = ["VARIANTS", "HostIndex", "Replay", "replay_config", "run_replay", "window_blocks", "MODELS", "KvModel",
+           "get_model", "ConversationGenerator", "HymcacheMicrobench", "MooncakeTrace", "RandomReadBench", "Workload"]

@@ -1,0 +1,434 @@
+"""Replay a workload on the emulator's own controller, in virtual time.
+
+The controller runs with ``emulation.data = false``: no bytes move, only
+frame state and modelled time. Concurrency is virtual: every stream is a
+generator that performs one controller operation at its current virtual time
+and yields the time its next operation starts; a heap always resumes the
+stream with the earliest time, so the shared controller and timing model see
+operations in time order, as the device would.
+
+How a request uses the device (its ``keys`` are the KV blocks of its context):
+
+* a host-side index (the HyMCache Master's role) knows which blocks are
+  stored and where; the request reads the longest stored prefix of its chain
+  (a block is useless without its predecessors) and writes the rest;
+* ``lru``: demand reads of each block in prefix order, then writes;
+* ``hymcache``: prefix blocks are prefetched in consumption order with at most
+  ``window_blocks`` in flight per request (EBUSY from the device-wide window:
+  retry after the next release, or read on demand if the request holds none);
+  each is waited for, read, released. New blocks are offered to the write
+  buffer and skipped (counted, not stored) when refused;
+* ``hymcache-noprefetch``: hymcache's DRAM split and write path, demand reads.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import math
+import resource
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from tqdm import tqdm
+
+from emulator.config import Config, load_profile
+from emulator.controller import Controller
+from emulator.errors import ChmError, WriteBufferFull
+
+from .models import MiB
+from .traces import Workload
+
+# variant -> (device policy, prefetch on)
+VARIANTS: dict[str, tuple[str, bool]] = {
+    "lru": ("lru", False),
+    "hymcache": ("hymcache", True),
+    "hymcache-noprefetch": ("hymcache", False),
+}
+DEFAULT_WINDOW_BYTES = 128 * MiB  # per-request prefetch window: ~128 MB of KV (8 x 16 MB, 4 x 32 MB)
+MIN_WINDOW_BLOCKS = 2
+DEFAULT_TICK_NS = 1e6  # the device's background clock: one tick per ms of virtual time (the flush delay scale)
+
+
+def window_blocks(window_bytes: int, block_bytes: int) -> int:
+    """Blocks a request keeps in flight: the window's worth, never fewer than 2."""
+    return max(MIN_WINDOW_BLOCKS, window_bytes // block_bytes)
+
+
+def replay_config(profile: str, variant: str, overrides: Mapping[str, Any] | None = None) -> Config:
+    if variant not in VARIANTS:
+        raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
+    changes = {"emulation.data": False, "policy.name": VARIANTS[variant][0], **(overrides or {})}
+    return load_profile(profile).with_overrides(changes)
+
+
+class HostIndex:
+    """Which KV blocks the device holds and at which slot (the Master's map).
+
+    Slots are fixed-size extents of the device address space; when the device
+    is full, the least recently used block is forgotten and its slot reused.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int):
+        if slots < 1:
+            raise ValueError(f"the device holds no slot of {slot_bytes} bytes")
+        self.slot_bytes = slot_bytes
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # least recently used first
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out low slots first
+        self.evictions = 0
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.slot_of
+
+    def stored_prefix(self, keys) -> list[int]:
+        """Addresses of the longest stored prefix of ``keys`` (touched as used)."""
+        addrs, slot_of = [], self.slot_of
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None:
+                break
+            slot_of.move_to_end(key)
+            addrs.append(slot * self.slot_bytes)
+        return addrs
+
+    def touch(self, key: int) -> None:
+        self.slot_of.move_to_end(key)
+
+    def allocate(self, key: int) -> int:
+        if not self._free:
+            _, slot = self.slot_of.popitem(last=False)
+            self.evictions += 1
+        else:
+            slot = self._free.pop()
+        self.slot_of[key] = slot
+        return slot * self.slot_bytes
+
+    def forget(self, key: int) -> None:
+        self._free.append(self.slot_of.pop(key))
+
+
+@dataclass
+class Bucket:
+    """One report row's accumulators (a turn, or a window of virtual time)."""
+
+    label: str
+    start_ns: float = math.inf
+    end_ns: float = 0.0
+    reads: int = 0
+    writes: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    refused_writes: int = 0
+    hit_pages: int = 0
+    miss_pages: int = 0
+    prefetch_busy: int = 0
+    first_read: float = math.inf
+    last_read: float = 0.0
+    first_write: float = math.inf
+    last_write: float = 0.0
+    read_latency_ns: array = field(default_factory=lambda: array("d"))
+
+    def row(self, window_ns: float | None) -> dict:
+        def gbps(nbytes, span):  # GB/s is bytes per ns
+            return nbytes / span if span > 0 else 0.0
+
+        lat = sorted(self.read_latency_ns)
+
+        def pct(p):
+            return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] / 1e6 if lat else 0.0
+
+        pages = self.hit_pages + self.miss_pages
+        return {
+            "bucket": self.label,
+            "read_gbps": gbps(self.read_bytes, window_ns or self.last_read - self.first_read),
+            "write_gbps": gbps(self.write_bytes, window_ns or self.last_write - self.first_write),
+            "hit_rate": self.hit_pages / pages if pages else 0.0,
+            "blocks_read": self.reads, "blocks_written": self.writes, "refused_writes": self.refused_writes,
+            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+            "hit_pages": self.hit_pages, "miss_pages": self.miss_pages, "prefetch_busy": self.prefetch_busy,
+            "read_p50_ms": pct(50), "read_p99_ms": pct(99),
+            "span_s": (max(self.last_read, self.last_write) - self.start_ns) / 1e9 if self.start_ns < math.inf else 0.0,
+        }
+
+
+class Replay:
+    """One policy variant over one workload on a fresh controller."""
+
+    def __init__(self, cfg: Config, variant: str, workload: Workload, window_bytes: int = DEFAULT_WINDOW_BYTES,
+                 bucket_ns: float = 600e9, progress: bool = True, record_ops: bool = False,
+                 tick_ns: float = DEFAULT_TICK_NS):
+        if variant not in VARIANTS:
+            raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
+        if cfg.emulation.data:
+            raise ValueError("replay needs a profile with emulation.data = false (use replay_config)")
+        if cfg.policy.name != VARIANTS[variant][0]:
+            raise ValueError(f"policy = {variant!r} needs policy.name = {VARIANTS[variant][0]!r}, "
+                             f"the config has {cfg.policy.name!r}")
+        if not bucket_ns > 0:
+            raise ValueError(f"window = {bucket_ns / 1e9!r} s must be > 0")
+        self.cfg, self.variant, self.workload = cfg, variant, workload
+        self.prefetching = VARIANTS[variant][1]
+        self.ctl = Controller(cfg, None)
+        page = cfg.device.page_size_bytes
+        self.block_bytes = workload.block_bytes
+        slot_bytes = -(-self.block_bytes // page) * page
+        self.index = HostIndex(cfg.capacity_bytes // slot_bytes, slot_bytes)
+        self.window_blocks = window_blocks(window_bytes, self.block_bytes)
+        self.window_bytes = window_bytes
+        if self.prefetching and self.window_blocks * slot_bytes > cfg.policy.prefetch_window_bytes:
+            raise ValueError(f"per-request window of {self.window_blocks} blocks of {slot_bytes} bytes exceeds the "
+                             f"device's policy.prefetch_window_bytes = {cfg.policy.prefetch_window_bytes}")
+        self.refusal_ns = 2 * cfg.host_link.latency_ns  # a refused write costs the host one round trip
+        self.bucket_ns = bucket_ns
+        if not tick_ns > 0:
+            raise ValueError(f"tick_ns = {tick_ns!r} must be > 0")
+        self.tick_ns = tick_ns
+        self._active = 0  # streams of the current phase not yet finished
+        self.by_time = workload.bucket_by == "time"
+        self.buckets: dict[Any, Bucket] = {}
+        self.bucket: Bucket | None = None
+        self.progress = progress
+        self.ops: list[tuple[str, int, int]] | None = [] if record_ops else None
+        self.peak_staged_pages = 0
+        self.peak_write_buffer_pages = 0
+        self.pbar = None
+
+    # ---- accounting ----------------------------------------------------------------
+    def _bucket_at(self, now: float) -> Bucket:
+        if not self.by_time:
+            return self.bucket
+        k = int(now // self.bucket_ns)
+        b = self.buckets.get(k)
+        if b is None:
+            b = self.buckets[k] = Bucket(f"{k * self.bucket_ns / 1e9:g}")
+            b.start_ns = k * self.bucket_ns
+        return b
+
+    # ---- operations: each returns its finish time -------------------------------------
+    def _read(self, addr: int, now: float, count_hits: bool) -> float:
+        ctl, stats = self.ctl, self.ctl.stats
+        if self.ops is not None:
+            self.ops.append(("read", addr, self.block_bytes))
+        h, m, mm = stats["page_hits"], stats["page_misses"], stats["merged_misses"]
+        finish = ctl.read(addr, self.block_bytes, now)
+        b = self._bucket_at(now)
+        b.reads += 1
+        b.read_bytes += self.block_bytes
+        if count_hits:  # a merged miss found its page already allocated (being staged): a hit of the cache
+            b.hit_pages += stats["page_hits"] - h + stats["merged_misses"] - mm
+            b.miss_pages += stats["page_misses"] - m
+        b.first_read = min(b.first_read, now)
+        b.last_read = max(b.last_read, finish)
+        return finish
+
+    def _write(self, key: int, now: float) -> float:
+        addr = self.index.allocate(key)
+        if self.ops is not None:
+            self.ops.append(("write", addr, self.block_bytes))
+        b = self._bucket_at(now)
+        try:
+            finish = self.ctl.write(addr, None, self.block_bytes, now)
+        except WriteBufferFull:
+            self.index.forget(key)
+            b.refused_writes += 1
+            return now + self.refusal_ns
+        b.writes += 1
+        b.write_bytes += self.block_bytes
+        b.first_write = min(b.first_write, now)
+        b.last_write = max(b.last_write, finish)
+        if self.cfg.policy.name == "hymcache":
+            self.peak_write_buffer_pages = max(self.peak_write_buffer_pages, self.ctl.policy.admission.used_pages)
+        return finish
+
+    def _prefetch(self, addr: int, now: float) -> tuple[int, float] | None:
+        ctl, stats = self.ctl, self.ctl.stats
+        s, r = stats["prefetch_staged_pages"], stats["prefetch_resident_pages"]
+        try:
+            handle, ack = ctl.prefetch(addr, self.block_bytes, now)
+        except ChmError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            self._bucket_at(now).prefetch_busy += 1
+            return None
+        if self.ops is not None:
+            self.ops.append(("prefetch", addr, self.block_bytes))
+        b = self._bucket_at(now)
+        b.hit_pages += stats["prefetch_resident_pages"] - r
+        b.miss_pages += stats["prefetch_staged_pages"] - s
+        self.peak_staged_pages = max(self.peak_staged_pages, ctl.engine.pages_held)
+        return handle, ack
+
+    # ---- one request: a generator yielding the virtual time of its next operation ------
+    def _request(self, keys, now: float):
+        addrs = self.index.stored_prefix(keys)
+        if self.prefetching:
+            now = yield from self._read_prefetched(addrs, now)
+        else:
+            for addr in addrs:
+                start = now
+                now = self._read(addr, now, True)
+                self._bucket_at(start).read_latency_ns.append(now - start)
+                yield now
+        index = self.index
+        for key in keys[len(addrs):]:
+            if key in index:  # stored after a gap in the chain (or by a concurrent request): keep it
+                index.touch(key)
+                continue
+            now = self._write(key, now)
+            yield now
+        return now
+
+    def _read_prefetched(self, addrs: list[int], now: float):
+        ctl, window, n = self.ctl, self.window_blocks, len(addrs)
+        handles: dict[int, int] = {}
+        nxt = 0  # next block to prefetch
+        for i in range(n):
+            nxt = max(nxt, i)
+            while nxt < n and nxt < i + window:
+                issued = self._prefetch(addrs[nxt], now)
+                if issued is None:  # the device-wide window is full: retry after our next release
+                    break
+                handles[nxt] = issued[0]
+                nxt += 1
+                now = issued[1]
+                yield now
+            start = now
+            handle = handles.pop(i, None)
+            if handle is None:  # nothing of ours in flight to wait for: read on demand
+                now = self._read(addrs[i], now, True)
+                nxt = max(nxt, i + 1)
+            else:
+                now = ctl.wait(handle, now)
+                yield now
+                now = self._read(addrs[i], now, False)
+                yield now
+                now = ctl.release(handle, now)
+            self._bucket_at(start).read_latency_ns.append(now - start)
+            yield now
+        return now
+
+    def _stream(self, stream, t0: float):
+        now = t0 + stream.start_ns
+        for k, req in enumerate(stream.requests):
+            if k and req.think_ns:
+                now += req.think_ns
+                yield now
+            now = yield from self._request(req.keys, now)
+            if self.pbar is not None:
+                self.pbar.update(len(req.keys))
+        self._phase_end = max(self._phase_end, now)
+        self._active -= 1
+
+    def _background(self, now: float):
+        """The device's own clock: background work (flushes) also happens while no request calls in."""
+        while self._active:
+            self.ctl.tick(now)
+            now += self.tick_ns
+            yield now
+
+    # ---- the run ------------------------------------------------------------------------
+    def _populate(self, keys, now: float) -> float:
+        for key in keys:
+            if key in self.index:
+                continue
+            addr = self.index.allocate(key)
+            while True:
+                try:
+                    now = self.ctl.write(addr, None, self.block_bytes, now)
+                    break
+                except WriteBufferFull:
+                    now = self.ctl.flush(now)
+        return self.ctl.flush(now)
+
+    def run(self) -> dict:
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        phases = list(self.workload.phases())
+        total_blocks = sum(len(r.keys) for p in phases for s in p.streams for r in s.requests)
+        now = self._populate(self.workload.populate_keys(), 0.0)
+        t_start = now
+        self.pbar = tqdm(total=total_blocks, unit="blk", unit_scale=True, disable=not self.progress,
+                         desc=f"{self.workload.name}/{self.variant}", mininterval=1.0, leave=False)
+        try:
+            for phase in phases:
+                if not self.by_time:
+                    self.bucket = self.buckets[phase.label] = Bucket(phase.label, start_ns=now)
+                self._phase_end = now
+                heap = [(now + s.start_ns, i, self._stream(s, now)) for i, s in enumerate(phase.streams)]
+                self._active = len(heap)
+                heap.append((now, -1, self._background(now)))
+                heapq.heapify(heap)
+                while heap:
+                    _, i, gen = heap[0]
+                    try:
+                        heapq.heapreplace(heap, (next(gen), i, gen))
+                    except StopIteration:
+                        heapq.heappop(heap)
+                now = self._phase_end
+                self.ctl.tick(now)
+        finally:
+            self.pbar.close()
+        wall = time.perf_counter() - wall0
+        return self._result(t_start, now, wall, time.process_time() - cpu0)
+
+    def _result(self, t_start: float, t_end: float, wall_s: float, cpu_s: float) -> dict:
+        window = self.bucket_ns if self.by_time else None
+        rows = [self.buckets[k].row(window) for k in sorted(self.buckets)] if self.by_time else \
+            [b.row(None) for b in self.buckets.values()]
+        total = Bucket("total", start_ns=t_start)
+        for b in self.buckets.values():
+            for name in ("reads", "writes", "read_bytes", "write_bytes", "refused_writes", "hit_pages", "miss_pages",
+                         "prefetch_busy"):
+                setattr(total, name, getattr(total, name) + getattr(b, name))
+            total.first_read, total.last_read = min(total.first_read, b.first_read), max(total.last_read, b.last_read)
+            total.first_write, total.last_write = min(total.first_write, b.first_write), max(total.last_write, b.last_write)
+            total.read_latency_ns.extend(b.read_latency_ns)
+        snap = self.ctl.snapshot()
+        page = self.cfg.device.page_size_bytes
+        block_ops = total.reads + total.writes + total.refused_writes
+        page_ops = snap["page_hits"] + snap["page_misses"] + snap["merged_misses"] + snap["prefetch_staged_pages"] \
+            + snap["prefetch_resident_pages"] + snap["write_bytes"] // page
+        return {
+            "policy": self.variant,
+            "profile": self.cfg.source,
+            "workload": {"name": self.workload.name, "block_bytes": self.block_bytes, **self.workload.describe()},
+            "window_blocks": self.window_blocks if self.prefetching else None,
+            "link_gbps": self.cfg.host_link.bandwidth_gbps,
+            "dram_bytes": self.cfg.dram.size_bytes,
+            "bucket_by": "time" if self.by_time else "phase",
+            "bucket_s": self.bucket_ns / 1e9 if self.by_time else None,
+            "rows": rows,
+            "total": total.row(None),
+            "virtual_s": (t_end - t_start) / 1e9,
+            "dram": {
+                "peak_staged_bytes": self.peak_staged_pages * page,
+                "peak_write_buffer_bytes": self.peak_write_buffer_pages * page,
+                "write_buffer_bytes": self.cfg.write_buffer_frames * page,
+                "window_bound_bytes": self._window_bound(),
+            },
+            "device": {k: snap[k] for k in ("page_hits", "page_misses", "merged_misses", "prefetch_staged_pages",
+                                            "prefetch_resident_pages", "evictions", "dirty_evictions", "flushed_pages",
+                                            "slowed_reads", "refused_writes", "ssd_read_bytes", "ssd_write_bytes")},
+            "host_index_evictions": self.index.evictions,
+            "speed": {"wall_s": wall_s, "cpu_s": cpu_s, "block_accesses": block_ops, "page_accesses": page_ops,
+                      "block_accesses_per_s": block_ops / wall_s if wall_s else 0.0,
+                      "page_accesses_per_s": page_ops / wall_s if wall_s else 0.0,
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        }
+
+    def _window_bound(self) -> int | None:
+        """Most staged bytes the per-request windows allow at the workload's concurrency."""
+        if not self.prefetching:
+            return None
+        concurrency = getattr(self.workload, "concurrency", None)
+        slot = self.index.slot_bytes
+        device_bound = self.cfg.policy.prefetch_window_bytes
+        return device_bound if concurrency is None else min(device_bound, concurrency * self.window_blocks * slot)
+
+
+def run_replay(workload: Workload, profile: str, variant: str, overrides: Mapping[str, Any] | None = None,
+               **kwargs) -> dict:
+    """Convenience: config + fresh controller + run."""
+    return Replay(replay_config(profile, variant, overrides), variant, workload, **kwargs).run()

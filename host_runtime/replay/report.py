@@ -1,0 +1,95 @@
+"""Replay reports: one table, the same as JSON, and a PNG plot (one line per policy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COLUMNS = (  # header, key, format
+    ("read GB/s", "read_gbps", "{:.2f}"),
+    ("write GB/s", "write_gbps", "{:.2f}"),
+    ("hit %", "hit_rate", "{:.1%}"),
+    ("blk read", "blocks_read", "{:d}"),
+    ("blk written", "blocks_written", "{:d}"),
+    ("refused", "refused_writes", "{:d}"),
+    ("p50 ms", "read_p50_ms", "{:.1f}"),
+    ("p99 ms", "read_p99_ms", "{:.1f}"),
+)
+
+
+def bucket_title(result: dict) -> str:
+    return "window start (s)" if result["bucket_by"] == "time" else "turn"
+
+
+def format_table(results: list[dict]) -> str:
+    """Rows grouped by turn / time window, one line per policy; then the totals."""
+    first = results[0]
+    head = [bucket_title(first), "policy"] + [c[0] for c in COLUMNS]
+    lines = []
+    labels = list(dict.fromkeys(row["bucket"] for r in results for row in r["rows"]))
+    for label in labels + ["total"]:
+        for r in results:
+            row = r["total"] if label == "total" else next((x for x in r["rows"] if x["bucket"] == label), None)
+            if row is None:
+                continue
+            lines.append([label, r["policy"]] + [fmt.format(row[key]) for _, key, fmt in COLUMNS])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
+def format_summary(result: dict) -> str:
+    s, d = result["speed"], result["dram"]
+    parts = [f"{result['policy']}: {s['block_accesses']} block accesses in {s['wall_s']:.1f} s wall "
+             f"({s['block_accesses_per_s']:.0f} blocks/s, {s['page_accesses_per_s']:.0f} pages/s), "
+             f"{result['virtual_s']:.1f} s virtual, peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"]
+    if result["window_blocks"]:
+        parts.append(f"  prefetch window {result['window_blocks']} blocks/request; peak staged "
+                     f"{d['peak_staged_bytes'] / 2**30:.2f} GiB (bound {d['window_bound_bytes'] / 2**30:.2f} GiB); "
+                     f"peak write buffer {d['peak_write_buffer_bytes'] / 2**30:.2f} of {d['write_buffer_bytes'] / 2**30:.2f} GiB")
+    return "\n".join(parts)
+
+
+def save_json(results: list[dict], path: Path) -> None:
+    path.write_text(json.dumps(results if len(results) > 1 else results[0], indent=1) + "\n")
+
+
+def plot(results: list[dict], path: Path, title: str = "") -> None:
+    """Read bandwidth (top) and DRAM hit rate (bottom) per turn or window, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bw, ax_hit) = plt.subplots(2, 1, figsize=(7.5, 6), sharex=True)
+    labels = list(dict.fromkeys(row["bucket"] for r in results for row in r["rows"]))
+    x = {label: i for i, label in enumerate(labels)}
+    for r in results:
+        rows = [row for row in r["rows"] if row["blocks_read"]]  # a write-only turn has no read bandwidth
+        xs = [x[row["bucket"]] for row in rows]
+        ax_bw.plot(xs, [row["read_gbps"] for row in rows], marker="o", label=f"{r['policy']} read")
+        ax_hit.plot(xs, [100 * row["hit_rate"] for row in rows], marker="o", label=r["policy"])
+    ax_bw.axhline(results[0]["link_gbps"], color="grey", linestyle="--", linewidth=1, label="host link")
+    ax_bw.set_ylabel("read bandwidth (GB/s)")
+    ax_bw.set_ylim(bottom=0)
+    ax_bw.legend(fontsize=8)
+    ax_bw.grid(alpha=0.3)
+    ax_hit.set_ylabel("DRAM hit rate (%)")
+    ax_hit.set_ylim(-2, 102)
+    ax_hit.set_xlabel(bucket_title(results[0]))
+    ax_hit.set_xticks(range(len(labels)), [str(label).replace("turn ", "") for label in labels])
+    ax_hit.grid(alpha=0.3)
+    fig.suptitle(title or f"{results[0]['workload']['name']} on {results[0]['profile']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(results: list[dict], out_dir: str | Path, stem: str, title: str = "") -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    save_json(results, json_path)
+    plot(results, png_path, title)
+    return json_path, png_path

@@ -1,0 +1,270 @@
+"""Workloads for replay, each behind one small interface.
+
+A workload is a sequence of *phases*; the driver starts every stream of a
+phase at the phase's start (plus the stream's own offset) and starts the next
+phase when all of them have finished (a barrier, as between the turns of the
+HyMCache microbenchmark). A stream is one client: its requests run one after
+another, each ``think_ns`` after the previous one finished. A request names
+the KV blocks of its whole context, in order (``keys``); what the device
+already holds of that chain is read, the rest is written (see driver.py).
+
+Keys are plain ints, unique per KV block, so memory stays small.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+MOONCAKE_TOKENS_PER_HASH = 512  # Mooncake traces: one hash id per 512-token block
+
+
+@dataclass(frozen=True)
+class Request:
+    keys: Sequence[int]  # KV block keys of the whole context, in consumption order
+    think_ns: float = 0.0  # wait after the stream's previous request (or the stream's start)
+
+
+@dataclass
+class Stream:
+    start_ns: float  # offset from the phase's start
+    requests: list[Request]
+
+
+@dataclass
+class Phase:
+    label: str
+    streams: list[Stream]
+
+
+class Workload(Protocol):
+    """What a trace reader or generator provides."""
+
+    name: str
+    block_bytes: int
+    bucket_by: str  # "phase": one report row per phase; "time": one row per time window
+
+    def phases(self) -> Iterator[Phase]: ...
+
+    def populate_keys(self) -> Sequence[int]:
+        """Blocks that must be on the device before the run (written, flushed, not reported)."""
+        ...
+
+    def describe(self) -> dict: ...
+
+
+def _positive(name: str, value, lo=1):
+    if value < lo:
+        raise ValueError(f"{name} = {value!r} must be >= {lo}")
+    return value
+
+
+# ---- Mooncake JSONL ------------------------------------------------------------------
+@dataclass
+class MooncakeTrace:
+    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``,
+    ``hash_ids`` (one per 512-token block; shared leading ids = shared prefix).
+
+    Each hash id becomes ``512 / tokens_per_block`` KV blocks (4 with 128-token
+    blocks), so a request reads and writes model-sized blocks. Every request is
+    its own stream, started at its timestamp (open loop).
+    """
+
+    path: str | Path
+    block_bytes: int
+    tokens_per_block: int = 128
+    limit: int | None = None
+    time_scale: float = 1.0  # < 1 compresses time (more load)
+    name: str = "mooncake"
+    bucket_by: str = "time"
+    records: list[tuple[float, list[int]]] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if MOONCAKE_TOKENS_PER_HASH % self.tokens_per_block:
+            raise ValueError(f"tokens_per_block = {self.tokens_per_block} must divide the Mooncake hash block "
+                             f"of {MOONCAKE_TOKENS_PER_HASH} tokens")
+        if self.limit is not None:
+            _positive("limit", self.limit)
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale = {self.time_scale!r} must be > 0")
+        self.records = []
+        path = Path(self.path)
+        if not path.is_file():
+            raise ValueError(f"trace file {str(path)!r} does not exist")
+        with path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if self.limit is not None and len(self.records) >= self.limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    ts, ids = float(rec["timestamp"]), [int(h) for h in rec["hash_ids"]]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}:{lineno}: not a Mooncake record (need timestamp and hash_ids): {exc}") from None
+                self.records.append((ts, ids))
+
+    @property
+    def blocks_per_hash(self) -> int:
+        return MOONCAKE_TOKENS_PER_HASH // self.tokens_per_block
+
+    def keys_of(self, hash_ids: Sequence[int]) -> list[int]:
+        n = self.blocks_per_hash
+        return [h * n + j for h in hash_ids for j in range(n)]
+
+    def phases(self) -> Iterator[Phase]:
+        yield Phase("trace", [Stream(ts * 1e6 * self.time_scale, [Request(self.keys_of(ids))])
+                              for ts, ids in self.records])
+
+    def populate_keys(self):
+        return ()
+
+    def describe(self) -> dict:
+        return {"trace": str(self.path), "requests": len(self.records),
+                "block_references": sum(len(ids) for _, ids in self.records),
+                "kv_blocks_per_hash": self.blocks_per_hash, "time_scale": self.time_scale}
+
+
+# ---- HyMCache microbenchmark ----------------------------------------------------------
+@dataclass
+class HymcacheMicrobench:
+    """C concurrent requests, each appending B new KV blocks per turn. Turn 1
+    only writes; from turn 2 each request first reads its whole prefix in
+    order, then appends. Paper setting: C=64, B=32, 16/64/168 MB blocks."""
+
+    block_bytes: int
+    concurrency: int = 64
+    blocks_per_turn: int = 32
+    turns: int = 6
+    name: str = "microbench"
+    bucket_by: str = "phase"
+
+    def __post_init__(self):
+        _positive("concurrency", self.concurrency)
+        _positive("blocks_per_turn", self.blocks_per_turn)
+        _positive("turns", self.turns)
+
+    def phases(self) -> Iterator[Phase]:
+        per_request = self.turns * self.blocks_per_turn
+        for turn in range(1, self.turns + 1):
+            upto = turn * self.blocks_per_turn
+            yield Phase(f"turn {turn}", [Stream(0.0, [Request(range(r * per_request, r * per_request + upto))])
+                                         for r in range(self.concurrency)])
+
+    def populate_keys(self):
+        return ()
+
+    def describe(self) -> dict:
+        return {"concurrency": self.concurrency, "blocks_per_turn": self.blocks_per_turn, "turns": self.turns,
+                "footprint_bytes": self.concurrency * self.blocks_per_turn * self.turns * self.block_bytes}
+
+
+# ---- multi-turn conversations ----------------------------------------------------------
+@dataclass
+class ConversationGenerator:
+    """Multi-turn chat sessions, parameterised like LMSYS-Chat-1M replays.
+
+    Sessions arrive as a Poisson process; each has a geometric number of turns;
+    a turn adds a user prompt and a model response to the context (both
+    lognormal token counts), and the next turn comes after an exponential think
+    time. A turn's request is the whole context so far (a growing prefix).
+    Defaults: LMSYS-Chat-1M (Zheng et al., 2023, Table 1) reports 2.0 turns,
+    69.5 prompt and 214.5 response tokens on average per conversation turn.
+    """
+
+    block_bytes: int
+    tokens_per_block: int = 128
+    sessions: int = 200
+    mean_turns: float = 2.0
+    mean_prompt_tokens: float = 69.5
+    mean_response_tokens: float = 214.5
+    system_prompt_tokens: int = 0  # a shared leading prefix (same keys in every session)
+    mean_think_s: float = 30.0
+    sessions_per_s: float = 1.0
+    seed: int = 0
+    name: str = "conversation"
+    bucket_by: str = "time"
+
+    def __post_init__(self):
+        _positive("sessions", self.sessions)
+        if not self.mean_turns >= 1:
+            raise ValueError(f"mean_turns = {self.mean_turns!r} must be >= 1")
+        for name in ("mean_prompt_tokens", "mean_response_tokens", "sessions_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)!r} must be > 0")
+        if self.mean_think_s < 0:
+            raise ValueError(f"mean_think_s = {self.mean_think_s!r} must be >= 0")
+
+    def phases(self) -> Iterator[Phase]:
+        rng = random.Random(self.seed)
+        sys_blocks = self.system_prompt_tokens // self.tokens_per_block
+        key_stride = 1 << 24  # keys of session s: s * stride + block index (session 0 = the shared prefix)
+        streams, start = [], 0.0
+
+        def tokens(mean: float) -> int:  # lognormal with sigma 1, scaled to the given mean
+            return max(1, int(rng.lognormvariate(0.0, 1.0) / 1.6487212707 * mean))
+
+        for s in range(1, self.sessions + 1):
+            start += rng.expovariate(self.sessions_per_s) * 1e9
+            turns = 1
+            while rng.random() > 1.0 / self.mean_turns:
+                turns += 1
+            context, requests = 0, []
+            for t in range(turns):
+                context += tokens(self.mean_prompt_tokens)
+                blocks = context // self.tokens_per_block  # full blocks of the prompt are looked up / stored
+                keys = list(range(sys_blocks)) + list(range(s * key_stride, s * key_stride + blocks))
+                think = 0.0 if t == 0 else rng.expovariate(1.0 / self.mean_think_s) * 1e9 if self.mean_think_s else 0.0
+                requests.append(Request(keys, think))
+                context += tokens(self.mean_response_tokens)
+            streams.append(Stream(start, requests))
+        yield Phase("conversations", streams)
+
+    def populate_keys(self):
+        return ()
+
+    def describe(self) -> dict:
+        return {k: getattr(self, k) for k in ("sessions", "mean_turns", "mean_prompt_tokens", "mean_response_tokens",
+                                              "system_prompt_tokens", "mean_think_s", "sessions_per_s", "seed")}
+
+
+# ---- random reads ----------------------------------------------------------------------
+@dataclass
+class RandomReadBench:
+    """Heavy random reads of whole objects from a populated region: C clients,
+    each reading ``reads_per_client`` objects chosen uniformly at random."""
+
+    block_bytes: int
+    region_bytes: int
+    concurrency: int = 8
+    reads_per_client: int = 256
+    seed: int = 0
+    name: str = "randread"
+    bucket_by: str = "phase"
+
+    def __post_init__(self):
+        _positive("concurrency", self.concurrency)
+        _positive("reads_per_client", self.reads_per_client)
+        if self.region_bytes < self.block_bytes:
+            raise ValueError(f"region_bytes = {self.region_bytes} must hold at least one object of {self.block_bytes} bytes")
+
+    @property
+    def objects(self) -> int:
+        return self.region_bytes // self.block_bytes
+
+    def phases(self) -> Iterator[Phase]:
+        rng = random.Random(self.seed)
+        # Each client reads a list of objects it "has": a one-request stream whose
+        # keys are all resident on the device, so the whole list is read in order.
+        yield Phase("random reads", [Stream(0.0, [Request([rng.randrange(self.objects) for _ in range(self.reads_per_client)])])
+                                     for _ in range(self.concurrency)])
+
+    def populate_keys(self):
+        return range(self.objects)
+
+    def describe(self) -> dict:
+        return {"region_bytes": self.region_bytes, "objects": self.objects, "concurrency": self.concurrency,
+                "reads_per_client": self.reads_per_client, "seed": self.seed}
