@@ -79,10 +79,6 @@ class Policy:
         return area.table.page_of[frame - area.base]
 
     # -- per-frame bookkeeping, forwarded to the owning table -----------------------
-    def _op(self, frame: int, method: str) -> None:
-        area = self.area_of(frame)
-        getattr(area.table, method)(frame - area.base)
-
     def touch(self, frame: int) -> None:
         area = self.area_of(frame)
         area.table.touch(frame - area.base)
@@ -117,7 +113,8 @@ class Policy:
 
     def flushed(self, frame: int) -> None:
         """A flush of ``frame`` completed and nothing rewrote it meanwhile."""
-        self._op(frame, "clear_dirty")
+        area = self.area_of(frame)
+        area.table.clear_dirty(frame - area.base)
 
     def released(self, frame: int) -> None:
         """A prefetch handle let go of ``frame``."""
