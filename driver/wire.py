@@ -13,29 +13,16 @@ import os
 import re
 from pathlib import Path
 
+from . import wire_build
+from .native import load_or_build
+
 SHM_DIR = Path("/dev/shm")
 DEFAULT_NODE = "chm0"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SUN_PATH_MAX = 107  # sockaddr_un.sun_path less its NUL
 
 
-def _load():
-    try:
-        from . import _wire  # type: ignore[attr-defined]
-    except ImportError:
-        from . import wire_build
-
-        with open(Path(wire_build.__file__).with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                from . import _wire  # type: ignore[attr-defined]  # built by a concurrent process
-            except ImportError:
-                wire_build.build()
-                from . import _wire  # type: ignore[attr-defined]
-    return _wire
-
-
-_mod = _load()
+_mod = load_or_build(wire_build.MODULE, wire_build.build, Path(wire_build.__file__).with_suffix(".lock"))
 ffi, lib = _mod.ffi, _mod.lib
 
 

@@ -1,22 +1,12 @@
-"""Errors of the device, each carrying the errno that libchm returns negated."""
+"""Errors of the device. ``ChmError`` and ``WriteBufferFull`` are the driver's
+(the errno values are part of the wire); configuration errors are the
+emulator's own."""
 
 import errno as _errno
 
+from driver.errors import ChmError, WriteBufferFull
 
-class ChmError(Exception):
-    """A device error. ``errno`` is the positive errno value (EINVAL, ERANGE, ...)."""
-
-    def __init__(self, err: int, message: str):
-        super().__init__(f"[{_errno.errorcode.get(err, err)}] {message}")
-        self.errno = err
-        self.message = message
-
-
-class WriteBufferFull(ChmError):
-    """The write buffer had no room: nothing was written; retry later (EAGAIN)."""
-
-    def __init__(self, message: str):
-        super().__init__(_errno.EAGAIN, message)
+__all__ = ["ChmError", "WriteBufferFull", "ConfigError"]
 
 
 class ConfigError(ChmError):

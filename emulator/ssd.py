@@ -16,6 +16,8 @@ import os
 import warnings
 from pathlib import Path
 
+from driver.native import load_or_build
+
 from .config import IO_ALIGN, Config
 from .errors import ChmError
 
@@ -32,20 +34,9 @@ def media_file(media_dir: Path, index: int) -> Path:
 
 
 def _load_ring_module():
-    try:
-        from . import _uring  # type: ignore[attr-defined]
-    except ImportError:
-        from . import uring_build
+    from . import uring_build
 
-        lock_path = Path(uring_build.__file__).with_suffix(".lock")
-        with open(lock_path, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                from . import _uring  # type: ignore[attr-defined]  # built by a concurrent process
-            except ImportError:
-                uring_build.build()
-                from . import _uring  # type: ignore[attr-defined]
-    return _uring
+    return load_or_build(uring_build.MODULE, uring_build.build, Path(uring_build.__file__).with_suffix(".lock"))
 
 
 class SsdBackend:

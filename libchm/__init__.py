@@ -13,33 +13,19 @@ for one thread at a time; open one per thread.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 from pathlib import Path
 
-from .errors import ChmError, WriteBufferFull
+from driver.errors import ChmError, WriteBufferFull
+from driver.native import load_or_build
+
+from . import ffi_build
 
 __all__ = ["Device", "ChmError", "WriteBufferFull"]
 
 
-def _load():
-    try:
-        from . import _chm  # type: ignore[attr-defined]
-    except ImportError:
-        from . import ffi_build
-
-        with open(Path(ffi_build.__file__).with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                from . import _chm  # type: ignore[attr-defined]  # built by a concurrent process
-            except ImportError:
-                ffi_build.build()
-                from . import _chm  # type: ignore[attr-defined]
-    return _chm
-
-
-_mod = _load()
+_mod = load_or_build(ffi_build.MODULE, ffi_build.build, Path(ffi_build.__file__).with_suffix(".lock"))
 ffi, lib = _mod.ffi, _mod.lib
 STATS_JSON_BYTES = 1 << 16
 

@@ -11,12 +11,13 @@ is available and the caller falls back to torch.
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import tempfile
 from pathlib import Path
 
 import cffi
+
+from driver.native import load_or_build
 
 MODULE = "host_runtime.hybridgen._logits_kernel"
 
@@ -92,21 +93,9 @@ def build() -> Path:
 
 def load():
     """The compiled module (building it once if needed), or None when it cannot be built."""
-    try:
-        from . import _logits_kernel  # type: ignore[attr-defined]
-        return _logits_kernel
-    except ImportError:
-        pass
     lock_path = Path(tempfile.gettempdir()) / f"hybridgen-kernel-{Path(__file__).resolve().parent.stat().st_ino}.lock"
     try:
-        with open(lock_path, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                from . import _logits_kernel  # type: ignore[attr-defined]  # built by a concurrent process
-            except ImportError:
-                build()
-                from . import _logits_kernel  # type: ignore[attr-defined]
-        return _logits_kernel
+        return load_or_build(MODULE, build, lock_path)
     except Exception:  # no compiler / headers: the torch kernel still works
         return None
 

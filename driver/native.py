@@ -1,0 +1,28 @@
+"""Load a compiled cffi (API mode) module, building it first if it is missing.
+
+``make setup`` builds every module ahead of time; a process that still finds
+one missing builds it under a file lock, so concurrent first imports build it
+once."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+
+def load_or_build(module: str, build: Callable[[], object], lock_path: Path) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        pass
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return importlib.import_module(module)  # built by a concurrent process meanwhile
+        except ImportError:
+            build()
+            importlib.invalidate_caches()
+            return importlib.import_module(module)
