@@ -11,27 +11,12 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 from host_runtime.replay import MooncakeTrace, Replay, get_model, replay_config
+from host_runtime.replay.reference import ordered_dict_lru
 
 TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "mooncake" / "conversation_trace_head1000.jsonl"
-
-
-def _reference_lru(ops, page: int, frames: int) -> tuple[int, float]:
-    t0 = time.perf_counter()
-    cache, n = OrderedDict(), 0
-    for _, addr, length in ops:
-        for p in range(addr // page, (addr + length - 1) // page + 1):
-            n += 1
-            if p in cache:
-                cache.move_to_end(p)
-            else:
-                cache[p] = None
-                if len(cache) > frames:
-                    cache.popitem(last=False)
-    return n, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'controller, ' + variant:<34} {s['block_accesses_per_s']:>12.0f} {s['page_accesses_per_s']:>12.0f} "
               f"{s['wall_s']:>7.1f}")
         if variant == "lru":
-            pages, wall = _reference_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+            t0 = time.perf_counter()
+            counts = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+            wall, pages = time.perf_counter() - t0, counts.pages
             blocks = len(rp.ops)
             print(f"  {'peer: OrderedDict LRU, same pages':<34} {blocks / wall:>12.0f} {pages / wall:>12.0f} {wall:>7.1f}")
     print(f"  peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

@@ -48,8 +48,14 @@ def _run(spec: dict) -> dict:
     else:
         w = MooncakeTrace(spec["trace"], get_model("llama-3.1-8b").block_bytes(128), 128)
     rp = Replay(replay_config(spec["profile"], spec["policy"]), spec["policy"], w, bucket_ns=spec.get("window_s", 600) * 1e9,
-                progress=sys.stderr.isatty())
-    return rp.run()
+                progress=sys.stderr.isatty(), record_ops=spec.get("reference", False))
+    result = rp.run()
+    if rp.ops is not None:  # the same page stream through a plain OrderedDict LRU
+        from host_runtime.replay.reference import ordered_dict_lru
+
+        ref = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+        result["reference_lru"] = {"hit_pages": ref.read_hits, "miss_pages": ref.read_misses}
+    return result
 
 
 def _run_all(specs: list[dict]) -> list[dict]:
@@ -142,8 +148,12 @@ def randread() -> None:
 def mooncake(window_s: float = 600) -> None:
     print("== Mooncake conversation trace, paper profile, Llama-3.1-8B (16 MiB per 128-token block) ==")
     specs = [{"name": f"mooncake-{p}", "workload": "mooncake", "profile": "paper", "policy": p, "trace": str(MOONCAKE),
-              "window_s": window_s} for p in ("lru", "hymcache")]
+              "window_s": window_s, "reference": p == "lru"} for p in ("lru", "hymcache")]
     results = _run_all(specs)
+    lru, ref = results[0]["total"], results[0]["reference_lru"]
+    same = (lru["hit_pages"], lru["miss_pages"]) == (ref["hit_pages"], ref["miss_pages"])
+    print(f"  lru device: {lru['hit_pages']} hit / {lru['miss_pages']} miss pages; OrderedDict LRU over the same pages: "
+          f"{ref['hit_pages']} / {ref['miss_pages']} -> {'equal' if same else 'DIFFERENT'}")
     from host_runtime.replay.report import format_table
 
     print("\n".join("  " + line for line in format_table(results).splitlines()))

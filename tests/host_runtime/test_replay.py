@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from emulator.cli import main as chm_main
 from host_runtime.replay import (ConversationGenerator, HostIndex, HymcacheMicrobench, MooncakeTrace, RandomReadBench,
                                  Replay, get_model, replay_config, window_blocks)
 from host_runtime.replay.models import parse_bytes
+from host_runtime.replay.reference import ordered_dict_lru
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -31,22 +31,6 @@ def golden_trace(**kw):
 def replay(workload, variant, profile="small", overrides=None, **kw):
     rp = Replay(replay_config(profile, variant, overrides), variant, workload, progress=False, **kw)
     return rp, rp.run()
-
-
-def reference_lru(ops, page, frames):
-    """A plain LRU cache (OrderedDict) over the page stream of reads and writes; returns read (hits, misses)."""
-    cache, hits, misses = OrderedDict(), 0, 0
-    for kind, addr, length in ops:
-        for p in range(addr // page, (addr + length - 1) // page + 1):
-            if p in cache:
-                cache.move_to_end(p)
-                hits += kind == "read"
-            else:
-                misses += kind == "read"
-                cache[p] = None
-                if len(cache) > frames:
-                    cache.popitem(last=False)
-    return hits, misses
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -152,7 +136,7 @@ def test_golden_trace_counts(variant):
 
 def test_lru_equals_ordered_dict_reference_on_golden_trace():
     rp, result = replay(golden_trace(), "lru", overrides=GOLDEN_OVERRIDES, record_ops=True)
-    hits, misses = reference_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+    hits, misses, _ = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
     assert (result["total"]["hit_pages"], result["total"]["miss_pages"]) == (hits, misses)
     assert misses > 0 and hits > 0 and result["device"]["evictions"] > 0
 
@@ -163,7 +147,7 @@ def test_lru_equals_ordered_dict_reference_on_mooncake_trace():
     trace = MooncakeTrace(MOONCAKE_HEAD, block_bytes=256 * KiB, tokens_per_block=512, limit=400)
     rp, result = replay(trace, "lru", overrides={"dram.size_bytes": 64 * MiB, "policy.prefetch_window_bytes": 8 * MiB},
                         record_ops=True)
-    hits, misses = reference_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+    hits, misses, _ = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
     assert (result["total"]["hit_pages"], result["total"]["miss_pages"]) == (hits, misses)
     assert hits > 1000 and result["device"]["evictions"] > 0 and result["device"]["merged_misses"] > 0
 
