@@ -20,12 +20,16 @@ from pathlib import Path
 from driver.errors import ChmError, WriteBufferFull
 from driver.native import load_or_build
 
-from . import ffi_build
-
 __all__ = ["Device", "ChmError", "WriteBufferFull"]
 
 
-_mod = load_or_build(ffi_build.MODULE, ffi_build.build, Path(ffi_build.__file__).with_suffix(".lock"))
+def _build() -> None:
+    from . import ffi_build  # imported only to build: `python -m libchm.ffi_build` runs it as a script
+
+    ffi_build.build()
+
+
+_mod = load_or_build(f"{__name__}._chm", _build, Path(__file__).with_name("ffi_build.lock"))
 ffi, lib = _mod.ffi, _mod.lib
 STATS_JSON_BYTES = 1 << 16
 
