@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 
+from emulator import cli
 from emulator.config import load_profile
 from emulator.errors import ChmError
 
@@ -82,15 +83,8 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m driver.serve ...``: ``chm serve`` without loading every other subcommand."""
     parser = argparse.ArgumentParser(prog="chm")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args) or 0
-    except ChmError as exc:
-        print(f"chm serve: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return cli.run(parser, ["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` with ``parser`` and run the chosen subcommand; errors become an exit status."""
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
