@@ -84,6 +84,8 @@ FIELDS: tuple[Field, ...] = (
     Field("policy", "write_buffer_fraction", float, 0, 0.95, doc="hymcache: share of DRAM reserved as write buffer"),
     Field("policy", "prefetch_window_bytes", int, 0, 64 * TiB, doc="most bytes of prefetched objects held at once"),
     Field("policy", "prefetch_max_handles", int, 1, 1 << 20, doc="most prefetch handles outstanding at once"),
+    Field("policy", "prefetch_client_share", float, 1e-6, 1.0,
+          doc="share of the prefetch window (pages and handles) one client may hold, unless it asks for less at attach"),
     Field("policy", "flush_batch_bytes", int, IO_ALIGN, 64 * TiB, doc="hymcache: flusher writes batches of this size"),
     Field("policy", "flush_max_reads_in_flight", int, 0, 1 << 20, doc="hymcache: flush only while at most this many SSD reads are in flight"),
     Field("policy", "flush_max_delay_ns", float, 0, 1e15, doc="hymcache: flush a partial batch once its oldest page is this old"),

@@ -48,7 +48,7 @@
 
 /* ---- cdef begin ---- */
 #define CHM_WIRE_MAGIC 0x43484d31
-#define CHM_WIRE_VERSION 1
+#define CHM_WIRE_VERSION 2
 #define CHM_QP_MAGIC 0x43485150
 #define CHM_NAME_MAX 32
 #define CHM_PROFILE_MAX 192
@@ -70,6 +70,7 @@
 #define CHM_MAX_ENTRIES 4096
 #define CHM_MAX_STAGING_BYTES 1073741824
 #define CHM_STAGING_ALIGN 2097152
+#define CHM_PPM 1000000
 
 /* The device node: written by the server, read by everyone. */
 struct chm_node {
@@ -89,7 +90,8 @@ struct chm_node {
     uint64_t clients_total;         /* queue pairs ever attached */
     char policy[32];
     char profile[192];
-    uint32_t pad0[20];
+    uint64_t device_epoch;          /* random id, new whenever the media are formatted (chm.meta) */
+    uint32_t pad0[18];
     uint32_t server_sleeping;       /* on its own cache line: clients poll it on every submit */
     uint32_t pad1[15];
 };
@@ -178,6 +180,9 @@ struct chm_attach_req {
     uint32_t sq_entries;            /* power of two in [CHM_MIN_ENTRIES, CHM_MAX_ENTRIES] */
     uint32_t cq_entries;            /* likewise, >= sq_entries */
     uint64_t staging_bytes;         /* (0, CHM_MAX_STAGING_BYTES], rounded up to CHM_STAGING_ALIGN */
+    uint32_t prefetch_share_ppm;    /* this client's share of the prefetch window, in millionths
+                                       (1..CHM_PPM); 0 takes the device's policy.prefetch_client_share */
+    uint32_t rsvd0;                 /* must be 0 */
 };
 
 struct chm_attach_resp {

@@ -58,6 +58,8 @@ struct chm_info {
     uint32_t server_pid;
     char     policy[32];          /* "lru", "hymcache", ... */
     char     profile[192];        /* where the device's configuration came from */
+    uint64_t device_epoch;        /* random id, new whenever the media are formatted: a KV index
+                                     that recorded another epoch holds stale blocks */
 };
 
 struct chm_stats {
@@ -77,6 +79,8 @@ struct chm_open_opts {
     size_t   staging_bytes;       /* default 16 MiB, or $CHM_STAGING_BYTES; at most 1 GiB */
     uint32_t queue_entries;       /* power of two, default 64, at most 4096 */
     uint32_t spin_us;             /* spin this long for a completion before sleeping; default 50, or $CHM_SPIN_US */
+    double   prefetch_share;      /* this handle's share of the device's prefetch window, in (0, 1];
+                                     0 takes the device default (policy.prefetch_client_share) */
 };
 
 /* A completion of an asynchronous command (chm_submit_*, chm_reap). */
