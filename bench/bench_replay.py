@@ -11,17 +11,17 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from pathlib import Path
 
 from host_runtime.replay import MooncakeTrace, Replay, get_model, replay_config
 from host_runtime.replay.reference import ordered_dict_lru
+from emulator.shared_data import mooncake_conversation_trace
 
-TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "mooncake" / "conversation_trace_head1000.jsonl"
+REQUESTS = 1000  # the first requests of the shared trace (the whole hour is `make repro`)
 
 
 def main(argv: list[str] | None = None) -> int:
     block = get_model("llama-3.1-8b").block_bytes(128)
-    trace = MooncakeTrace(TRACE, block, 128)
+    trace = MooncakeTrace(mooncake_conversation_trace(), block, 128, limit=REQUESTS)
     print(f"Mooncake conversation trace, first {trace.describe()['requests']} requests, Llama-3.1-8B 16 MiB blocks, "
           f"paper profile (2 MiB pages)")
     print(f"  {'replay':<34} {'block acc/s':>12} {'page acc/s':>12} {'wall s':>7}")

@@ -29,7 +29,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "replay"
-MOONCAKE = ROOT.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 MiB, GiB = 1 << 20, 1 << 30
 FIG5_TURNS = {16: 6, 64: 6, 168: 5}
 LINK_GBPS = 25.0
@@ -146,8 +145,11 @@ def randread() -> None:
 
 
 def mooncake(window_s: float = 600) -> None:
+    from emulator.shared_data import mooncake_conversation_trace
+
     print("== Mooncake conversation trace, paper profile, Llama-3.1-8B (16 MiB per 128-token block) ==")
-    specs = [{"name": f"mooncake-{p}", "workload": "mooncake", "profile": "paper", "policy": p, "trace": str(MOONCAKE),
+    trace = str(mooncake_conversation_trace())
+    specs = [{"name": f"mooncake-{p}", "workload": "mooncake", "profile": "paper", "policy": p, "trace": trace,
               "window_s": window_s, "reference": p == "lru"} for p in ("lru", "hymcache")]
     results = _run_all(specs)
     lru, ref = results[0]["total"], results[0]["reference_lru"]

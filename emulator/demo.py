@@ -15,7 +15,7 @@ import time
 
 from tqdm import tqdm
 
-from .cli import format_bytes
+from .cli import format_bytes, int_at_least
 from .device import Device
 from .errors import WriteBufferFull
 
@@ -84,20 +84,16 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="run both policies on a small device and print a table",
                        description="Write objects to a small emulated device, read them back twice in order under "
                                    "each policy, and print hits, bytes moved and modelled time.")
-    p.add_argument("--objects", type=int, default=24, help="number of objects (default 24)")
-    p.add_argument("--object-mib", type=int, default=2, help="object size in MiB (default 2)")
-    p.add_argument("--dram-mib", type=int, default=32, help="device DRAM in MiB (default 32, smaller than the footprint)")
-    p.add_argument("--window", type=int, default=4, help="hymcache prefetch depth in objects (default 4)")
+    p.add_argument("--objects", type=int_at_least(1), default=24, help="number of objects (default 24)")
+    p.add_argument("--object-mib", type=int_at_least(1), default=2, help="object size in MiB (default 2)")
+    p.add_argument("--dram-mib", type=int_at_least(1), default=32,
+                   help="device DRAM in MiB (default 32, smaller than the footprint)")
+    p.add_argument("--window", type=int_at_least(1), default=4, help="hymcache prefetch depth in objects (default 4)")
     p.add_argument("--media-dir", help="where the SSD backing files go (default: a temporary directory)")
     p.set_defaults(func=_demo)
 
 
 def _demo(args) -> int:
-    from .errors import ChmError
-
-    for name in ("objects", "object_mib", "dram_mib", "window"):
-        if getattr(args, name) < 1:
-            raise ChmError(22, f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
     object_bytes = args.object_mib << 20
     dram = args.dram_mib << 20
     overrides = {"dram.size_bytes": dram, "policy.prefetch_window_bytes": min(args.window * object_bytes, dram // 2),

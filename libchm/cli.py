@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 
 def register_stats(sub) -> None:
@@ -22,14 +21,9 @@ def _mib(n: int) -> str:
 
 
 def _stats(args) -> int:
-    from . import ChmError, Device
+    from . import Device
 
-    try:
-        dev = Device(args.node)
-    except ChmError as exc:
-        print(f"chm stats: error: {exc}", file=sys.stderr)
-        return 1
-    with dev:
+    with Device(args.node) as dev:  # an error (no device: ENODEV) is reported by chm's run()
         info, stats = dev.info(), dev.stats()
     others = stats["clients"] - 1  # this tool is one of them
     if args.json:

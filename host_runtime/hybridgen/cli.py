@@ -7,9 +7,13 @@ from typing import TYPE_CHECKING
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from emulator.cli import ChmArgumentParser, UsageError, float_in, int_at_least
 
 from .names import MAPPINGS, METHODS, TIMINGS
 from .perfmodel import METHODS as PERF_METHODS
+from .perfmodel import list_platforms, load_models
 
 if TYPE_CHECKING:
     from .engine import EngineOptions
@@ -19,15 +23,16 @@ def register(sub) -> None:
     p = sub.add_parser("hybridgen", help="HybridGen: CPU-accelerator hybrid attention over tiered memory",
                        description="HybridGen on SmolLM2-135M: generation, accuracy evaluation, layer similarity, "
                                    "K_min profiling and the modelled performance on the paper's platforms.")
-    hs = p.add_subparsers(dest="hybridgen_command", metavar="SUBCOMMAND")
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    hs = p.add_subparsers(dest="hybridgen_command", metavar="SUBCOMMAND", required=True)
+    platforms = list_platforms()
+    models = list(load_models())
 
     g = hs.add_parser("generate", help="greedy generation with per-step stats",
                       description="Generate text greedily with one method and print per-step statistics "
                                   "(K, strategy, CPU/accelerator/transfer times, bytes moved per tier).")
     g.add_argument("--prompt", required=True, help="user prompt (wrapped in the chat template unless --raw)")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--max-new-tokens", type=int_at_least(1), default=32, help="tokens to generate (default 32)")
     g.add_argument("--json", action="store_true", help="print text and steps as JSON")
     _engine_args(g)
     g.set_defaults(func=_generate)
@@ -35,7 +40,7 @@ def register(sub) -> None:
     s = hs.add_parser("similarity", help="cosine similarity of consecutive layers' inputs (paper Fig. 11)",
                       description="Cosine similarity of consecutive layers' attention inputs on SmolLM2, "
                                   "averaged over the tokens of a text.")
-    s.add_argument("--tokens", type=int, default=256, help="tokens of the long English text to run (default 256)")
+    s.add_argument("--tokens", type=int_at_least(1), default=256, help="tokens of the long English text to run (default 256)")
     s.add_argument("--plot", metavar="PNG", help="also draw the curve into this PNG")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_similarity)
@@ -43,11 +48,13 @@ def register(sub) -> None:
     e = hs.add_parser("eval", help="perplexity, agreement with full attention and passkey accuracy per method",
                       description="One row per method: perplexity on a Debian license text, top-1 agreement with "
                                   "full attention, and passkey retrieval accuracy at several depths.")
-    e.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    e.add_argument("--methods", default=list(METHODS), type=_method_list, metavar="M1,M2",
+                   help=f"comma-separated subset of {', '.join(METHODS)}")
     e.add_argument("--context-tokens", type=int, default=384)
     e.add_argument("--scored-tokens", type=int, default=64)
     e.add_argument("--passkey-tokens", type=int, default=384)
-    e.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="comma-separated depths in [0, 1]")
+    e.add_argument("--passkey-depths", default=(0.1, 0.5, 0.9), type=_fractions(zero_allowed=True), metavar="D1,D2",
+                   help="comma-separated depths in [0, 1]")
     e.add_argument("--json", action="store_true", help="print the rows as JSON")
     _engine_args(e, with_method=False)
     e.set_defaults(func=_eval)
@@ -55,7 +62,8 @@ def register(sub) -> None:
     k = hs.add_parser("kmin", help="profile K_min: accuracy vs retained-KV ratio, pick the knee (paper Fig. 14)",
                       description="Sweep the retained KV ratio, measure top-1 agreement with full attention, "
                                   "and report the inflection point as K_min.")
-    k.add_argument("--ratios", default="0.02,0.05,0.1,0.2,0.3,0.5,0.75,1.0")
+    k.add_argument("--ratios", default=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0), type=_fractions(zero_allowed=False),
+                   metavar="R1,R2", help="comma-separated retained KV ratios in (0, 1]")
     k.add_argument("--context-tokens", type=int, default=384)
     k.add_argument("--scored-tokens", type=int, default=48)
     k.add_argument("--resident-budget", type=int, default=32)
@@ -66,14 +74,14 @@ def register(sub) -> None:
     t = hs.add_parser("schedule", help="Algorithm 1 on a growing sequence (modelled times): K up, down, switch",
                       description="Run the feedback scheduler on a sequence whose offloaded part grows each step, "
                                   "with T_cpu, T_tx, T_gpu from the platform model, and print where it changes course.")
-    t.add_argument("--platform", default="A")
-    t.add_argument("--model", default="llama-3.1-8b")
-    t.add_argument("--resident", type=int, default=1024, help="tokens held by the GPU")
-    t.add_argument("--growth", type=int, default=64, help="offloaded tokens added per step")
-    t.add_argument("--steps", type=int, default=120)
-    t.add_argument("--k-min", type=int, default=64)
-    t.add_argument("--k-max", type=int, default=2048)
-    t.add_argument("--k-step", type=int, default=32)
+    t.add_argument("--platform", default="A", help=f"{', '.join(platforms)} or a platform TOML path (default A)")
+    t.add_argument("--model", default="llama-3.1-8b", choices=models)
+    t.add_argument("--resident", type=int_at_least(1), default=1024, help="tokens held by the GPU")
+    t.add_argument("--growth", type=int_at_least(1), default=64, help="offloaded tokens added per step")
+    t.add_argument("--steps", type=int_at_least(1), default=120)
+    t.add_argument("--k-min", type=int_at_least(1), default=64)
+    t.add_argument("--k-max", type=int_at_least(1), default=2048)
+    t.add_argument("--k-step", type=int_at_least(1), default=32)
     t.add_argument("--plot", metavar="PNG")
     t.set_defaults(func=_schedule)
 
@@ -81,11 +89,13 @@ def register(sub) -> None:
                       description="Modelled decode latency per method for the paper's models (no weights needed), "
                                   "normalised to FlexGen, with sequence-length and batch sweeps and "
                                   "semantic-aware vs interleaved KV mapping.")
-    m.add_argument("--platform", default="A", help="A, B, C or a platform TOML path (default A)")
-    m.add_argument("--seq-len", type=int, default=2048)
-    m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--kv-ratio", type=float, default=0.1, help="retained share of offloaded tokens (K_min), (0, 1]")
-    m.add_argument("--sweep-model", default="llama-3.1-8b", help="model for the sequence-length and batch sweeps")
+    m.add_argument("--platform", default="A", help=f"{', '.join(platforms)} or a platform TOML path (default A)")
+    m.add_argument("--seq-len", type=int_at_least(1), default=2048)
+    m.add_argument("--batch", type=int_at_least(1), default=1)
+    m.add_argument("--kv-ratio", type=float_in(0, 1, lo_open=True), default=0.1,
+                   help="retained share of offloaded tokens (K_min), (0, 1]")
+    m.add_argument("--sweep-model", default="llama-3.1-8b", choices=models,
+                   help="model for the sequence-length and batch sweeps")
     m.add_argument("--plot", metavar="PNG", help="draw speedups over FlexGen into this PNG")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_model_perf)
@@ -93,14 +103,51 @@ def register(sub) -> None:
 
 def build_parser_for_tests() -> argparse.ArgumentParser:
     """The ``hybridgen`` parser alone (``chm`` builds the same one through its entry point)."""
-    root = argparse.ArgumentParser(prog="chm")
+    root = ChmArgumentParser(prog="chm")
     register(root.add_subparsers())
     return root._subparsers._group_actions[0].choices["hybridgen"]
 
 
+def _method_list(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: {','.join(bad) or 'no method'}; allowed: {', '.join(METHODS)}")
+    return names
+
+
+def _fractions(zero_allowed: bool):
+    """An argparse ``type=``: comma-separated numbers in [0, 1] (``zero_allowed``) or (0, 1]."""
+    allowed = "[0, 1]" if zero_allowed else "(0, 1]"
+
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated numbers in {allowed}") from None
+        if any(not ((v >= 0 if zero_allowed else v > 0) and v <= 1) for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: every value must be in {allowed}")
+        return values
+    return parse
+
+
+def _platform(name: str):
+    """A shipped platform or a TOML path: an unknown name is a usage error, a bad file a runtime one."""
+    from .perfmodel import load_platform
+
+    if name not in list_platforms() and not Path(name).is_file():
+        raise UsageError(f"--platform {name!r} must be one of {', '.join(list_platforms())} or a TOML file")
+    try:
+        return load_platform(name)
+    except KeyError as exc:
+        raise ValueError(f"platform file {name}: missing field {exc}") from None
+    except (TypeError, ValueError) as exc:  # wrong types, not TOML
+        raise ValueError(f"platform file {name}: {exc}") from None
+
+
 def _engine_args(p, with_method: bool = True) -> None:
     if with_method:
-        p.add_argument("--method", default="hybridgen", help=f"one of {', '.join(METHODS)} (default hybridgen)")
+        p.add_argument("--method", default="hybridgen", choices=METHODS, help="attention method (default hybridgen)")
     p.add_argument("--resident-budget", type=int, default=32, help="tokens per layer on the accelerator (default 32)")
     p.add_argument("--k-min", type=int, default=32, help="K_min / fixed K of selective baselines (default 32)")
     p.add_argument("--k-max", type=int, default=512)
@@ -110,11 +157,11 @@ def _engine_args(p, with_method: bool = True) -> None:
     p.add_argument("--exact", action="store_true", help="no layer-ahead speculation: the CPU uses the true query")
     p.add_argument("--exact-layers", type=int, default=2,
                    help="first layers whose CPU logits always use the true query (default 2)")
-    p.add_argument("--mapping", default="semantic", help=f"one of {', '.join(MAPPINGS)}")
+    p.add_argument("--mapping", default="semantic", choices=MAPPINGS, help="where V goes once host DRAM is full")
     p.add_argument("--v-dram-tokens", type=int, default=128, help="V rows per layer in DRAM before the CXL tier")
-    p.add_argument("--timing", default="measured", help=f"scheduler inputs: one of {', '.join(TIMINGS)}")
-    p.add_argument("--platform", default="A", help="platform profile for modelled times (A, B, C)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--timing", default="measured", choices=TIMINGS, help="scheduler inputs")
+    p.add_argument("--platform", default="A", choices=list_platforms(), help="platform profile for modelled times")
+    p.add_argument("--threads", type=int_at_least(1), default=1,
                    help="torch CPU threads (default 1: decode ops are tiny, more threads mostly add contention)")
 
 
@@ -123,10 +170,7 @@ def _options(args, method: str) -> "EngineOptions":
 
     import torch
 
-    _positive("--threads", args.threads)
     torch.set_num_threads(args.threads)
-    if args.mapping not in MAPPINGS:
-        raise SystemExit(f"chm hybridgen: error: --mapping {args.mapping!r} must be one of {', '.join(MAPPINGS)}")
     opts = EngineOptions(method=method, resident_budget=args.resident_budget, k_min=args.k_min, k_max=args.k_max,
                          k_step=args.k_step, selection=not args.no_selection, layer_ahead=not args.exact,
                          exact_layers=args.exact_layers,
@@ -135,7 +179,7 @@ def _options(args, method: str) -> "EngineOptions":
     try:
         opts.validate()
     except ValueError as exc:
-        raise SystemExit(f"chm hybridgen: error: {exc}")
+        raise UsageError(str(exc)) from None
     return opts
 
 
@@ -147,17 +191,11 @@ def _load():
     return model, Tokenizer.from_gguf(model.tokenizer_reader)
 
 
-def _positive(name: str, value: int) -> None:
-    if value < 1:
-        raise SystemExit(f"chm hybridgen: error: {name} {value} must be >= 1")
-
-
 def _generate(args) -> int:
     from tqdm import tqdm
 
     from .engine import Engine
 
-    _positive("--max-new-tokens", args.max_new_tokens)
     opts = _options(args, args.method)
     model, tok = _load()
     ids = tok.encode(args.prompt if args.raw else tok.chat_prompt(args.prompt))
@@ -188,7 +226,6 @@ def _generate(args) -> int:
 def _similarity(args) -> int:
     from .evaluate import layer_input_similarity, long_english_text
 
-    _positive("--tokens", args.tokens)
     model, tok = _load()
     sims = layer_input_similarity(model, tok.encode(long_english_text())[:args.tokens])
     if args.json:
@@ -214,11 +251,7 @@ def _similarity(args) -> int:
 
 
 def eval_method_options(args) -> dict[str, "EngineOptions"]:
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in names if m not in METHODS]
-    if bad:
-        raise SystemExit(f"chm hybridgen: error: --methods {','.join(bad)} unknown; allowed: {', '.join(METHODS)}")
-    return {name: _options(args, name) for name in names}
+    return {name: _options(args, name) for name in args.methods}
 
 
 def _eval(args) -> int:
@@ -226,15 +259,11 @@ def _eval(args) -> int:
 
     from .evaluate import EvalSettings, evaluate_methods
 
-    try:
-        depths = tuple(float(d) for d in args.passkey_depths.split(","))
-    except ValueError:
-        raise SystemExit(f"chm hybridgen: error: --passkey-depths {args.passkey_depths!r} must be numbers in [0, 1]")
-    settings = EvalSettings(args.context_tokens, args.scored_tokens, args.passkey_tokens, depths)
+    settings = EvalSettings(args.context_tokens, args.scored_tokens, args.passkey_tokens, args.passkey_depths)
     try:
         settings.validate()
     except ValueError as exc:
-        raise SystemExit(f"chm hybridgen: error: {exc}")
+        raise UsageError(str(exc)) from None
     methods = eval_method_options(args)
     model, tok = _load()
     with tqdm(total=len(methods), desc="methods", file=sys.stderr, leave=False) as bar:
@@ -253,14 +282,12 @@ def _kmin(args) -> int:
 
     from .evaluate import EvalSettings, profile_kmin
 
-    try:
-        ratios = sorted(float(r) for r in args.ratios.split(","))
-    except ValueError:
-        raise SystemExit(f"chm hybridgen: error: --ratios {args.ratios!r} must be numbers in (0, 1]")
-    if not ratios or any(not 0 < r <= 1 for r in ratios):
-        raise SystemExit(f"chm hybridgen: error: --ratios {args.ratios!r} must be numbers in (0, 1]")
+    ratios = sorted(args.ratios)
     settings = EvalSettings(context_tokens=args.context_tokens, scored_tokens=args.scored_tokens)
-    settings.validate()
+    try:
+        settings.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     model, tok = _load()
     from .engine import EngineOptions
 
@@ -289,22 +316,15 @@ def _kmin(args) -> int:
 
 
 def _schedule(args) -> int:
-    from .perfmodel import load_models, load_platform, scheduler_trace
+    from .perfmodel import scheduler_trace
 
     models = load_models()
-    if args.model not in models:
-        raise SystemExit(f"chm hybridgen: error: --model {args.model!r} must be one of {', '.join(models)}")
-    try:
-        platform = load_platform(args.platform)
-    except ValueError as exc:
-        raise SystemExit(f"chm hybridgen: error: --platform: {exc}")
-    for name in ("resident", "growth", "steps", "k_min", "k_step"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    platform = _platform(args.platform)
     try:
         trace = scheduler_trace(models[args.model], platform, args.resident, args.growth, args.growth, args.steps,
                                 args.k_min, args.k_max, args.k_step)
     except ValueError as exc:
-        raise SystemExit(f"chm hybridgen: error: {exc}")
+        raise UsageError(str(exc)) from None
     print(f"{args.model} on {platform.name}: {args.resident} tokens on the GPU, +{args.growth} offloaded per step")
     print(f"{'step':>5} {'offloaded':>9} {'K':>5} {'strategy':>8} branch")
     prev, after_switch = None, 0
@@ -335,19 +355,10 @@ def _schedule(args) -> int:
 
 
 def _model_perf(args) -> int:
-    from .perfmodel import PAPER_MODELS, decode_latency, geomean, load_models, load_platform
+    from .perfmodel import PAPER_MODELS, decode_latency, geomean
 
-    try:
-        platform = load_platform(args.platform)
-    except ValueError as exc:
-        raise SystemExit(f"chm hybridgen: error: --platform: {exc}")
-    _positive("--seq-len", args.seq_len)
-    _positive("--batch", args.batch)
-    if not 0 < args.kv_ratio <= 1:
-        raise SystemExit(f"chm hybridgen: error: --kv-ratio {args.kv_ratio} must be in (0, 1]")
+    platform = _platform(args.platform)
     models = load_models()
-    if args.sweep_model not in models:
-        raise SystemExit(f"chm hybridgen: error: --sweep-model {args.sweep_model!r} must be one of {', '.join(models)}")
 
     def speedups(model, seq, batch, mapping="semantic"):
         lat = {meth: decode_latency(meth, models[model], platform, seq, batch, args.kv_ratio, mapping)

@@ -14,6 +14,7 @@ Keys are plain ints, unique per KV block, so memory stays small.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,9 +84,7 @@ class MooncakeTrace:
     records: list[tuple[float, list[int]]] = field(init=False, repr=False)
 
     def __post_init__(self):
-        if MOONCAKE_TOKENS_PER_HASH % self.tokens_per_block:
-            raise ValueError(f"tokens_per_block = {self.tokens_per_block} must divide the Mooncake hash block "
-                             f"of {MOONCAKE_TOKENS_PER_HASH} tokens")
+        check_mooncake_tokens_per_block(self.tokens_per_block)
         if self.limit is not None:
             _positive("limit", self.limit)
         if not self.time_scale > 0:
@@ -94,18 +93,19 @@ class MooncakeTrace:
         path = Path(self.path)
         if not path.is_file():
             raise ValueError(f"trace file {str(path)!r} does not exist")
-        with path.open() as f:
+        with path.open("rb") as f:
             for lineno, line in enumerate(f, 1):
                 if self.limit is not None and len(self.records) >= self.limit:
                     break
                 if not line.strip():
                     continue
                 try:
-                    rec = json.loads(line)
-                    ts, ids = float(rec["timestamp"]), [int(h) for h in rec["hash_ids"]]
+                    self.records.append(_mooncake_record(json.loads(line)))
                 except (ValueError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{lineno}: not a Mooncake record (need timestamp and hash_ids): {exc}") from None
-                self.records.append((ts, ids))
+                    raise ValueError(f"{path}:{lineno}: not a Mooncake record (need timestamp >= 0 and hash_ids, a "
+                                     f"list of integers >= 0): {type(exc).__name__}: {exc}") from None
+        if not self.records:
+            raise ValueError(f"{path}: no requests in the trace (the file is empty or holds only blank lines)")
 
     @property
     def blocks_per_hash(self) -> int:
@@ -126,6 +126,21 @@ class MooncakeTrace:
         return {"trace": str(self.path), "requests": len(self.records),
                 "block_references": sum(len(ids) for _, ids in self.records),
                 "kv_blocks_per_hash": self.blocks_per_hash, "time_scale": self.time_scale}
+
+
+def check_mooncake_tokens_per_block(tokens_per_block: int) -> None:
+    if tokens_per_block < 1 or MOONCAKE_TOKENS_PER_HASH % tokens_per_block:
+        raise ValueError(f"tokens_per_block = {tokens_per_block} must divide the Mooncake hash block "
+                         f"of {MOONCAKE_TOKENS_PER_HASH} tokens")
+
+
+def _mooncake_record(rec: dict) -> tuple[float, list[int]]:
+    ts, ids = rec["timestamp"], rec["hash_ids"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise ValueError(f"timestamp = {ts!r} must be a number >= 0")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
+        raise ValueError(f"hash_ids = {ids!r} must be a list of integers >= 0")
+    return float(ts), ids
 
 
 # ---- HyMCache microbenchmark ----------------------------------------------------------

@@ -19,11 +19,9 @@ from cocotb.queue import Queue
 from cocotb.triggers import RisingEdge
 from cocotb.utils import get_sim_time
 
+from emulator.shared_data import mooncake_conversation_trace
+
 CLOCK_NS = 10
-# the first 1000 requests of the Mooncake conversation trace, bundled with its license (tests/data/mooncake),
-# or $CHM_MOONCAKE_TRACE (e.g. the whole trace in ../shared/data/traces)
-TRACE = Path(os.environ.get("CHM_MOONCAKE_TRACE", Path(__file__).resolve().parents[2] / "tests" / "data" / "mooncake"
-                            / "conversation_trace_head1000.jsonl"))
 
 
 class LockstepMismatch(AssertionError):
@@ -127,11 +125,9 @@ class StreamSink:
 
 
 def trace_requests(count: int) -> list[dict]:
-    """The first ``count`` requests of the Mooncake conversation trace (a cut, not a sample)."""
-    if not TRACE.is_file():
-        raise FileNotFoundError(f"Mooncake trace {TRACE} not found; set CHM_MOONCAKE_TRACE to the jsonl file")
+    """The first ``count`` requests of the Mooncake conversation trace (a cut at run time, not a sample)."""
     out = []
-    with open(TRACE) as f:
+    with open(mooncake_conversation_trace()) as f:
         for line in f:
             out.append(json.loads(line))
             if len(out) == count:

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from emulator.cli import UsageError
 from host_runtime.hybridgen import cli
 from host_runtime.hybridgen import perfmodel as pm
 
@@ -49,9 +50,8 @@ def test_model_perf_command_json(capsys):
 
 
 def test_model_perf_rejects_bad_ratio():
-    args = cli.build_parser_for_tests().parse_args(["model-perf", "--kv-ratio", "1.5"])
-    with pytest.raises(SystemExit, match="--kv-ratio 1.5"):
-        args.func(args)
+    with pytest.raises(UsageError, match=r"--kv-ratio: 1.5 must be in \(0, 1\]"):
+        cli.build_parser_for_tests().parse_args(["model-perf", "--kv-ratio", "1.5"])
 
 
 def test_kmin_knee_is_where_the_curve_flattens():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,13 @@ from host_runtime.replay import (ConversationGenerator, HostIndex, HymcacheMicro
                                  Replay, get_model, replay_config, window_blocks)
 from host_runtime.replay.models import parse_bytes
 from host_runtime.replay.reference import ordered_dict_lru
+from emulator.shared_data import mooncake_conversation_trace
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DATA = Path(__file__).resolve().parents[1] / "data"
 GOLDEN = DATA / "replay_golden.jsonl"
-MOONCAKE_HEAD = DATA / "mooncake" / "conversation_trace_head1000.jsonl"
+CHM = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "chm"
+MOONCAKE_REQUESTS = 1000  # the tests read the first requests of the shared trace, a cut made at run time
 
 # The golden setting: small profile shrunk to 4 MiB of DRAM (64 frames of 64 KiB = 16 blocks of 256 KiB),
 # so the 47 blocks of the golden trace are evicted and refused along the way.
@@ -59,15 +63,18 @@ def test_byte_sizes_parse_and_name_the_parameter():
 
 # ---- readers and generators ------------------------------------------------------------------
 def test_mooncake_reader_expands_hash_ids_into_model_blocks():
-    trace = MooncakeTrace(MOONCAKE_HEAD, block_bytes=16 * MiB, tokens_per_block=128)
-    assert trace.describe()["requests"] == 1000
-    refs = sum(len(json.loads(line)["hash_ids"]) for line in MOONCAKE_HEAD.open())
+    path = mooncake_conversation_trace()
+    trace = MooncakeTrace(path, block_bytes=16 * MiB, tokens_per_block=128, limit=MOONCAKE_REQUESTS)
+    assert trace.describe()["requests"] == MOONCAKE_REQUESTS
+    with path.open() as f:
+        head = [json.loads(line) for line in islice(f, MOONCAKE_REQUESTS)]
+    refs = sum(len(rec["hash_ids"]) for rec in head)
     assert trace.describe()["block_references"] == refs
     (phase,) = trace.phases()
     first = phase.streams[0].requests[0].keys
     assert first[:8] == [0, 1, 2, 3, 4, 5, 6, 7]  # hash 0 -> blocks 0..3, hash 1 -> 4..7
     assert sum(len(s.requests[0].keys) for s in phase.streams) == 4 * refs
-    assert phase.streams[-1].start_ns == json.loads(MOONCAKE_HEAD.read_text().splitlines()[-1])["timestamp"] * 1e6
+    assert phase.streams[-1].start_ns == head[-1]["timestamp"] * 1e6
 
 
 def test_mooncake_reader_rejects_bad_input(tmp_path):
@@ -79,6 +86,33 @@ def test_mooncake_reader_rejects_bad_input(tmp_path):
         MooncakeTrace(tmp_path / "none.jsonl", MiB)
     with pytest.raises(ValueError, match="tokens_per_block = 100"):
         MooncakeTrace(GOLDEN, MiB, tokens_per_block=100)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_mooncake_reader_rejects_a_trace_without_requests(tmp_path, text):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(text)
+    with pytest.raises(ValueError, match=f"{empty}: no requests"):
+        MooncakeTrace(empty, MiB)
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"timestamp": 1, "hash_', "JSONDecodeError"),                      # truncated line
+    ('{"timestamp": 1, "hash_ids": "123"}', "hash_ids = '123'"),         # not a list
+    ('{"timestamp": 1, "hash_ids": [1, -2]}', "hash_ids = [1, -2]"),     # negative id
+    ('{"timestamp": 1, "hash_ids": [1.5]}', "hash_ids = [1.5]"),         # not an integer
+    ('{"timestamp": -1, "hash_ids": [1]}', "timestamp = -1"),
+    ('{"timestamp": "soon", "hash_ids": [1]}', "timestamp = 'soon'"),
+    ('{"time": 1, "hash_ids": [1]}', "KeyError: 'timestamp'"),           # wrong field name
+    ('[1, 2]', "TypeError"),
+    ('\udcff', "not a Mooncake record"),                                 # not UTF-8
+])
+def test_mooncake_reader_names_file_and_line_of_a_bad_record(tmp_path, line, problem):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"timestamp": 0, "hash_ids": [1]}\n\n' + line.encode("utf-8", "surrogateescape") + b"\n")
+    with pytest.raises(ValueError, match=f"{bad}:3: ") as info:
+        MooncakeTrace(bad, MiB)
+    assert problem in str(info.value)
 
 
 def test_microbench_turns_grow_the_prefix():
@@ -142,9 +176,9 @@ def test_lru_equals_ordered_dict_reference_on_golden_trace():
 
 
 def test_lru_equals_ordered_dict_reference_on_mooncake_trace():
-    """The first 400 requests of the bundled 1000-request head of the Mooncake conversation trace
+    """The first 400 requests of the Mooncake conversation trace
     (the whole trace is a benchmark: bench/repro_hymcache.py mooncake)."""
-    trace = MooncakeTrace(MOONCAKE_HEAD, block_bytes=256 * KiB, tokens_per_block=512, limit=400)
+    trace = MooncakeTrace(mooncake_conversation_trace(), block_bytes=256 * KiB, tokens_per_block=512, limit=400)
     rp, result = replay(trace, "lru", overrides={"dram.size_bytes": 64 * MiB, "policy.prefetch_window_bytes": 8 * MiB},
                         record_ops=True)
     hits, misses, _ = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
@@ -277,8 +311,29 @@ def test_chm_replay_compare_writes_table_json_and_plot(tmp_path, capsys):
     (["microbench", "--compare", "lru,fifo"], "'fifo' is not one of"),
     (["microbench", "--block-bytes", "12MB"], "--block-bytes"),
     (["microbench", "--window-s", "0"], "--window-s"),
-    (["microbench", "--turns", "0"], "turns = 0"),
+    (["microbench", "--turns", "0"], "--turns: 0 must be >= 1"),
 ])
 def test_chm_replay_bad_arguments_name_the_parameter(argv, message, capsys):
     assert chm_main(["replay", *argv, "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def _chm_replay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CHM), "replay", *args, "--no-progress"], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_chm_replay_of_a_trace_without_requests_is_an_error_naming_the_file(tmp_path, text):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(text)
+    run = _chm_replay(str(empty))
+    assert run.returncode == 1, run.stdout
+    assert run.stderr.startswith(f"chm replay: error: {empty}: no requests"), run.stderr
+    assert run.stdout == ""  # no all-zero table
+
+
+def test_chm_replay_of_a_bad_trace_line_is_a_runtime_error_naming_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 5, "hash_ids": [2, 3\n')
+    run = _chm_replay(str(bad))
+    assert run.returncode == 1 and run.stderr.startswith(f"chm replay: error: {bad}:2: "), run.stderr
