@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import shutil
+import signal
 import sys
 import tempfile
 
 from emulator import cli
-from emulator.config import load_profile
+from emulator.config import POLICY_NAMES, load_profile
+from emulator.controller import DRAIN_TIMEOUT_S
 from emulator.errors import ChmError
 
 from .wire import DEFAULT_NODE, NodeError
@@ -29,6 +30,10 @@ def _override(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
+MAX_DRAIN_TIMEOUT_S = 86_400  # a day: beyond this a typo is likelier than intent
+MAX_SPIN_US = 100_000
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run the device as a process serving libchm clients",
                        description="Start a device from a profile and a media directory, create its device node "
@@ -38,21 +43,26 @@ def register(sub) -> None:
     p.add_argument("--media", metavar="DIR",
                    help="media directory holding the SSD backing files (default: a temporary one, removed at exit)")
     p.add_argument("--node", default=DEFAULT_NODE, help="device node name under /dev/shm, or a path (default: chm0)")
-    p.add_argument("--policy", help="override the profile's policy.name (lru, hymcache)")
+    p.add_argument("--policy", choices=POLICY_NAMES, help="override the profile's policy.name")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=_override, metavar="FIELD=VALUE",
                    help="override one profile field, e.g. --set dram.size_bytes=134217728 (repeatable)")
     p.add_argument("--pace", action="store_true",
                    help="hold each completion until wall time reaches its modelled finish")
-    p.add_argument("--spin-us", type=float, default=50.0, metavar="US",
-                   help="spin this long for new commands before sleeping (default 50; 0 sleeps at once)")
+    p.add_argument("--spin-us", type=cli.float_in(0, MAX_SPIN_US), default=50.0, metavar="US",
+                   help=f"spin this long for new commands before sleeping (default 50; 0 sleeps at once; "
+                        f"at most {MAX_SPIN_US})")
+    p.add_argument("--format", dest="format_media", action="store_true",
+                   help="erase the media directory and start empty (needed for foreign, missing or truncated media)")
+    p.add_argument("--drain-timeout", type=cli.float_in(0, MAX_DRAIN_TIMEOUT_S), default=DRAIN_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help=f"at SIGTERM, retry failing flushes for at most this long (default {DRAIN_TIMEOUT_S:g}); "
+                        f"what is still unflushed then is reported and lost (exit status 1)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from .server import DeviceServer, install_signal_handlers
+    from .server import STOP_SIGNALS, DeviceServer, install_signal_handlers
 
-    if not 0 <= args.spin_us <= 100_000:
-        raise ChmError(errno.EINVAL, f"--spin-us {args.spin_us} is out of range [0, 100000]")
     cfg = load_profile(args.profile)
     changes = dict(args.overrides)
     if args.policy:
@@ -64,15 +74,23 @@ def run(args) -> int:
     if media is None and cfg.emulation.data:
         owned = media = tempfile.mkdtemp(prefix="chm-media-", dir="/var/tmp")
     try:
+        # SIGTERM/SIGINT during startup wait until the handlers are in: they remove the node on the way out.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
-            server = DeviceServer(cfg, media, node=args.node, pacing=args.pace, spin_us=args.spin_us)
+            server = DeviceServer(cfg, media, node=args.node, pacing=args.pace, spin_us=args.spin_us,
+                                  format_media=args.format_media, drain_timeout_s=args.drain_timeout)
+            install_signal_handlers(server)
         except NodeError as exc:
             raise ChmError(exc.errno, exc.strerror) from None
-        install_signal_handlers(server)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         print(f"chm serve: {cfg.source} ({cfg.policy.name}) at {server.node_path} "
               f"(socket {server.node_path}.sock), media {media or '(none: data off)'}"
               f"{' (temporary)' if owned else ''}, pid {__import__('os').getpid()}; ready", flush=True)
         server.serve_forever()
+        if server.drain_error is not None:  # a runtime error: run() prints it and exits 1
+            raise ChmError(server.drain_error.errno,
+                           f"node removed; write buffer NOT fully drained: {server.drain_error.message}")
         print("chm serve: write buffer drained, node removed", flush=True)
     finally:
         if owned:
@@ -82,7 +100,7 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m driver.serve ...``: ``chm serve`` without loading every other subcommand."""
-    parser = argparse.ArgumentParser(prog="chm")
+    parser = cli.ChmArgumentParser(prog="chm")
     register(parser.add_subparsers(dest="command", metavar="COMMAND"))
     return cli.run(parser, ["serve", *(sys.argv[1:] if argv is None else argv)])
 

@@ -12,6 +12,19 @@ plus the wall time the device spent idle (so the background flusher runs
 while nobody calls). With ``pacing`` the floor is wall time mapped to virtual
 time, and a completion is held until wall time reaches its modelled finish.
 
+Fairness. Each pass gives every client one turn: one CHUNK_BYTES piece of its
+large read (or large write where no write buffer can refuse it; hymcache's
+all-or-nothing admission keeps its writes whole), or its queued commands
+until they have moved about that many bytes. Every piece is charged from its
+command's own start time, so modelled time is that of one call. Prefetch
+window and handles are shared by a per-client share (attach field
+``prefetch_share_ppm``, default ``policy.prefetch_client_share``), applied
+alike to pages and handles.
+
+Resources. Files are allocated before they are mapped (ENOSPC, not SIGBUS);
+one spare fd lets the listener shed connections when the fd table is full;
+at most MAX_PENDING_ATTACHES connections wait half-open.
+
 Trust. Everything a client can write (ring entries, its tail, its head) is
 copied to private memory and checked before use; sizes and indices the
 server owns live in ``struct chm_srv_qp`` in server memory. A client's
@@ -37,7 +50,7 @@ import traceback
 from pathlib import Path
 
 from emulator.config import Config
-from emulator.controller import Controller
+from emulator.controller import DRAIN_TIMEOUT_S, Controller
 from emulator.errors import ChmError
 
 from .wire import ffi, lib, node_path, socket_path
@@ -49,23 +62,53 @@ IDLE_TICK_S = 0.005   # wake this often while the write buffer holds data
 CONTROL_POLL_S = 0.002  # look at the control socket at least this often while busy
 ATTACH_TIMEOUT_S = 2.0  # a half-sent attach request is dropped after this
 PAGE = 4096
+# A read (or a write no write buffer can refuse) longer than this is served one piece per turn,
+# round-robin with the other clients, so a small command never waits behind a whole large one.
+CHUNK_BYTES = 1 << 20
+# While no other client has work, a large command's pieces double up to this (a Python call per
+# piece costs ~5 us); one arriving then waits for at most one such piece.
+MAX_PIECE_ALONE = 8 << 20
+MAX_PENDING_ATTACHES = 64  # half-open connections held at once; more are closed at once
+LOG_INTERVAL_S = 10.0  # a repeating complaint (fd exhaustion, connection flood) is logged at most this often
+BULK_OPCODES = frozenset((lib.CHM_OP_READ, lib.CHM_OP_WRITE, lib.CHM_OP_PREFETCH))  # their work grows with len
+
+
+class Job:
+    """A large read or write in progress: served one CHUNK_BYTES-aligned piece per turn, every piece
+    charged from the command's own start time, so the modelled pipes serialize as for one call."""
+
+    __slots__ = ("opcode", "user_data", "addr", "end", "next", "piece", "buf", "start", "finish")
+
+    def __init__(self, e, buf: memoryview, start: float, piece: int):
+        self.opcode, self.user_data, self.addr, self.end = e.opcode, e.user_data, e.addr, e.addr + e.len
+        self.next, self.piece, self.buf, self.start, self.finish = e.addr, piece, buf, start, start
 
 
 class Client:
     """One attached queue pair and what the device keeps about it."""
 
     def __init__(self, cid: int, conn: socket.socket, pid: int, qp_map: mmap.mmap, srv, staging_offset: int,
-                 staging_bytes: int, stats_offset: int, clock: float):
+                 staging_bytes: int, stats_offset: int, clock: float, share_ppm: int, prefetch_pages_limit: int,
+                 prefetch_handles_limit: int):
         self.id, self.conn, self.pid = cid, conn, pid
         self.map, self.srv = qp_map, srv
+        self.srv_one = ffi.new("struct chm_srv_qp *[1]", [srv])  # this queue pair alone, for chm_srv_pending
         self.view = memoryview(qp_map)
         self.staging = self.view[staging_offset: staging_offset + staging_bytes]
         self.staging_bytes = staging_bytes
         self.stats_slot = ffi.cast("struct chm_wire_stats *", ffi.from_buffer(self.view[stats_offset:]))
-        self.handles: set[int] = set()
+        self.handles: dict[int, int] = {}  # prefetch handle -> pages it holds
+        self.pages_held = 0
+        self.share_ppm = share_ppm
+        self.prefetch_pages_limit = prefetch_pages_limit
+        self.prefetch_handles_limit = prefetch_handles_limit
+        self.batch = ffi.new("struct chm_sqe[]", MAX_BATCH)  # commands fetched, not yet run
+        self.batch_next = self.batch_len = 0
+        self.job: Job | None = None
         self.clock = clock
         self.commands = 0
         self.errors = 0
+        self.last_error = ""
 
     def buffer(self, offset: int, length: int) -> memoryview:
         """The client's own staging bytes [offset, offset+length), or EFAULT."""
@@ -76,6 +119,7 @@ class Client:
 
     def close(self) -> None:
         self.stats_slot = None
+        self.job = None
         for v in (self.staging, self.view):
             try:
                 v.release()
@@ -112,10 +156,16 @@ class NodeOwner:
         old = self._old_pid(size)
         if old is not None:
             log(f"replacing stale device node {self.path} left by pid {old}")
-        os.ftruncate(self.fd, 0)
-        os.ftruncate(self.fd, size)
-        os.fchmod(self.fd, 0o600)
-        self.map = mmap.mmap(self.fd, size)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.ftruncate(self.fd, size)
+            os.posix_fallocate(self.fd, 0, size)  # backed now: a full /dev/shm is ENOSPC here, not SIGBUS later
+            os.fchmod(self.fd, 0o600)
+            self.map = mmap.mmap(self.fd, size)
+        except OSError as exc:
+            os.unlink(self.path)  # ours: we hold its lock
+            os.close(self.fd)
+            raise ChmError(exc.errno or errno.EIO, f"cannot set up device node {self.path}: {exc.strerror}") from None
         self._cdata = ffi.from_buffer(self.map)
         self.node = ffi.cast("struct chm_node *", self._cdata)
 
@@ -129,8 +179,9 @@ class NodeOwner:
         n = ffi.cast("struct chm_node *", ffi.from_buffer(raw))
         return n.server_pid if n.magic == lib.CHM_WIRE_MAGIC else None
 
-    def publish(self, cfg: Config, pacing: bool) -> None:
+    def publish(self, cfg: Config, pacing: bool, device_epoch: int = 0) -> None:
         n = self.node
+        n.device_epoch = device_epoch
         n.version = lib.CHM_WIRE_VERSION
         n.server_pid = os.getpid()
         n.capacity_bytes = cfg.capacity_bytes
@@ -164,8 +215,11 @@ class NodeOwner:
 
 class DeviceServer:
     def __init__(self, cfg: Config, media_dir: str | os.PathLike | None, node: str = "chm0", pacing: bool = False,
-                 spin_us: float = 50.0, log=None):
+                 spin_us: float = 50.0, log=None, format_media: bool = False,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
         self.cfg = cfg
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_error: ChmError | None = None  # what the drain at shutdown could not do (UnflushedData, ...)
         self.log = log or (lambda msg: print(f"chm serve: {msg}", file=sys.stderr, flush=True))
         self.pacing = pacing
         self.spin_ns = int(spin_us * 1000)
@@ -173,8 +227,9 @@ class DeviceServer:
         self.ctl: Controller | None = None
         self.listener: socket.socket | None = None
         self.evfd = -1
+        self._reserve_fd = -1  # spare fd: closed to accept (and shed) a connection when the fd table is full
         try:
-            self.ctl = Controller(cfg, media_dir)
+            self.ctl = Controller(cfg, media_dir, log=self.log, format_media=format_media)
             self.evfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             try:
                 os.unlink(self.owner.sock_path)  # a stale socket: the flock says nobody serves it
@@ -187,6 +242,7 @@ class DeviceServer:
             finally:
                 os.umask(old_umask)
             self.listener.listen(64)
+            self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             self._teardown(0.0)
             raise
@@ -195,7 +251,9 @@ class DeviceServer:
         self.pending: dict[int, tuple[socket.socket, bytes, float]] = {}  # fd -> attach request so far
         self._qp_array = ffi.new("struct chm_srv_qp *[]", 1)
         self._order: list[Client] = []
-        self._batch = ffi.new("struct chm_sqe[]", MAX_BATCH)
+        page = cfg.device.page_size_bytes
+        self.chunk_bytes = -(-CHUNK_BYTES // page) * page  # whole pages: a piece never splits a page
+        self._last_logged: dict[str, tuple[float, int]] = {}  # complaint -> (when last logged, repeats since)
         self._next_id = 1
         self.floor = 0.0  # device virtual time: latest finish, plus idle time
         self.wall0 = time.monotonic_ns()
@@ -205,7 +263,7 @@ class DeviceServer:
         self.poller = select.poll()
         self.poller.register(self.evfd, select.POLLIN)
         self.poller.register(self.listener.fileno(), select.POLLIN)
-        self.owner.publish(cfg, pacing)
+        self.owner.publish(cfg, pacing, self.ctl.device_epoch)
 
     # ---- lifecycle ---------------------------------------------------------------
     @property
@@ -256,7 +314,11 @@ class DeviceServer:
         try:
             if self.ctl is not None:
                 ctl, self.ctl = self.ctl, None
-                done = ctl.close(now)  # drains the write buffer onto the media
+                try:  # drains the write buffer onto the media, retrying failed flushes for at most drain_timeout_s
+                    done = ctl.close(now, self.drain_timeout_s)
+                except ChmError as exc:
+                    self.drain_error = exc
+                    self.log(f"drain at shutdown incomplete: {exc.message}")
         finally:  # even if the drain failed, the node must not stay behind looking alive
             if self.listener is not None:
                 self.listener.close()
@@ -264,6 +326,9 @@ class DeviceServer:
             if self.evfd >= 0:
                 os.close(self.evfd)
                 self.evfd = -1
+            if self._reserve_fd >= 0:
+                os.close(self._reserve_fd)
+                self._reserve_fd = -1
             if self.owner is not None:
                 self.owner.withdraw()
                 self.owner.close()
@@ -279,17 +344,29 @@ class DeviceServer:
 
     # ---- the data path -------------------------------------------------------------
     def _run_ready(self) -> bool:
-        """One pass over all queue pairs; True if any command ran."""
+        """One turn for every queue pair: one piece of its large command, or its fetched commands until
+        they have moved about a piece's worth of bytes or reached a large one. True if anything ran."""
         did = False
         for c in self._order:
-            n = lib.chm_srv_fetch(c.srv, self._batch, MAX_BATCH)
-            if n < 0:  # corrupted tail: the helper resynced and posted -EPROTO
-                c.errors += 1
+            if c.job is not None:
+                self._step(c)
                 did = True
                 continue
-            for i in range(n):
-                self._command(c, self._batch[i])
-            did = did or n > 0
+            if c.batch_next == c.batch_len:  # fetch only when nothing fetched is left: the CQ room was counted for it
+                n = lib.chm_srv_fetch(c.srv, c.batch, MAX_BATCH)
+                if n < 0:  # corrupted tail: the helper resynced and posted -EPROTO
+                    c.errors += 1
+                    did = True
+                    continue
+                c.batch_next, c.batch_len = 0, n
+            budget = self.chunk_bytes  # many medium commands in one turn would hold others up like a large one
+            while c.batch_next < c.batch_len and c.job is None and budget > 0:
+                e = c.batch[c.batch_next]
+                c.batch_next += 1
+                if e.opcode in BULK_OPCODES:
+                    budget -= e.len
+                self._command(c, e)
+                did = True
         if self.held:
             self._post_due()
         return did
@@ -298,16 +375,31 @@ class DeviceServer:
         start = max(c.clock, self._now())
         c.commands += 1
         try:
+            job = self._large(c, e, start)
+            if job is not None:
+                c.job = job
+                self._step(c)  # its first piece now, the rest on the client's next turns
+                return
             res, finish = self._execute(c, e, start)
         except ChmError as exc:
-            c.errors += 1
-            res, finish = -exc.errno, start
-            if exc.errno == errno.ETIMEDOUT and e.timeout_ns >= 0:
-                finish = start + e.timeout_ns  # the caller did wait that long
+            res, finish = self._failed(c, exc, start, e.timeout_ns if e.opcode == lib.CHM_OP_WAIT else -1)
         except Exception:  # a device bug must not take every client down
-            c.errors += 1
-            self.log(f"internal error on a command of client {c.id}:\n{traceback.format_exc()}")
-            res, finish = -errno.EIO, start
+            res, finish = self._crashed(c, start)
+        self._complete(c, e.user_data, start, res, finish)
+
+    def _failed(self, c: Client, exc: ChmError, start: float, timeout_ns: int) -> tuple[int, float]:
+        c.errors += 1
+        c.last_error = str(exc)  # the wire carries only the errno; CHM_OP_STATS_JSON shows the message
+        if exc.errno == errno.ETIMEDOUT and timeout_ns >= 0:
+            return -exc.errno, start + timeout_ns  # the caller did wait that long
+        return -exc.errno, start
+
+    def _crashed(self, c: Client, start: float) -> tuple[int, float]:
+        c.errors += 1
+        self.log(f"internal error on a command of client {c.id}:\n{traceback.format_exc()}")
+        return -errno.EIO, start
+
+    def _complete(self, c: Client, user_data: int, start: float, res: int, finish: float) -> None:
         c.clock = finish
         if finish > self.floor and not self.pacing:
             self.floor = finish
@@ -315,9 +407,66 @@ class DeviceServer:
         if self.pacing and finish > self._wall_virtual():
             c.srv.held += 1
             self._held_seq += 1
-            heapq.heappush(self.held, (finish, self._held_seq, c.id, c, e.user_data, res, latency, finish))
+            heapq.heappush(self.held, (finish, self._held_seq, c.id, c, user_data, res, latency, finish))
             return
-        lib.chm_srv_post(c.srv, e.user_data, res, latency, int(finish))
+        lib.chm_srv_post(c.srv, user_data, res, latency, int(finish))
+
+    def _large(self, c: Client, e, start: float) -> Job | None:
+        """A validated Job if ``e`` is a read or write to serve in pieces, else None.
+
+        Writes are split only where nothing can refuse them (no write buffer): with hymcache's
+        buffer, admission is all-or-nothing per call, so a write runs whole (and the buffer's
+        size bounds it)."""
+        if e.len <= self.chunk_bytes:
+            return None
+        if e.opcode != lib.CHM_OP_READ and (e.opcode != lib.CHM_OP_WRITE or self.cfg.write_buffer_frames):
+            return None
+        self._check_reserved(e)
+        self.ctl.check_range(e.addr, e.len)
+        return Job(e, c.buffer(e.buf_offset, e.len), start, self.chunk_bytes)
+
+    def _step(self, c: Client) -> None:
+        """Serve the next piece of the client's job, and more while no other client has work waiting;
+        post its completion after the last."""
+        job, ctl = c.job, self.ctl
+        read = job.opcode == lib.CHM_OP_READ
+        while True:
+            addr = job.next  # pieces end on multiples of chunk_bytes, so they never split a page
+            end = min(job.end, (addr // self.chunk_bytes) * self.chunk_bytes + job.piece)
+            piece = job.buf[addr - job.addr: end - job.addr]
+            try:
+                if read:
+                    finish = ctl.read(addr, end - addr, job.start, piece if ctl.data else None, whole=False)
+                else:
+                    finish = ctl.write(addr, piece if ctl.data else None, end - addr, job.start, whole=False)
+            except ChmError as exc:
+                res, finish = self._failed(c, exc, job.start, -1)
+            except Exception:
+                res, finish = self._crashed(c, job.start)
+            else:
+                res = None
+            job.finish = max(job.finish, finish)
+            job.next = end
+            if res is not None or end == job.end:
+                break
+            if self._others_waiting(c):
+                job.piece = self.chunk_bytes
+                return  # the rest on the client's next turns
+            job.piece = min(2 * job.piece, MAX_PIECE_ALONE)  # alone: fewer, larger pieces cost less
+        c.job = None
+        if res is None:
+            res = job.end - job.addr
+            ctl.count_command("read" if read else "write", job.finish - job.start)  # one command, counted once
+        self._complete(c, job.user_data, job.start, res, job.finish)
+
+    def _others_waiting(self, c: Client) -> bool:
+        """Has any client but ``c`` work fetched, in progress or in its ring? (Alone, a large command
+        runs on without the cost of a pass per piece.)"""
+        for other in self._order:
+            if other is not c and (other.job is not None or other.batch_next < other.batch_len
+                                   or lib.chm_srv_pending(other.srv_one, 1, 0) >= 0):
+                return True
+        return False
 
     def _post_due(self) -> None:
         now = self._wall_virtual()
@@ -330,9 +479,7 @@ class DeviceServer:
     def _execute(self, c: Client, e, start: float) -> tuple[int, float]:
         """Run one validated command; returns (result, finish time). Raises ChmError."""
         op = e.opcode
-        if e.flags or e.rsvd0 or e.rsvd1 or e.rsvd2:
-            raise ChmError(errno.EINVAL, f"reserved fields must be 0 (flags={e.flags}, rsvd0={e.rsvd0}, "
-                                         f"rsvd1={e.rsvd1}, rsvd2={e.rsvd2})")
+        self._check_reserved(e)
         ctl = self.ctl
         if op == lib.CHM_OP_READ:
             ctl.check_range(e.addr, e.len)
@@ -343,8 +490,12 @@ class DeviceServer:
             src = c.buffer(e.buf_offset, e.len)
             return e.len, ctl.write(e.addr, src if ctl.data else None, e.len, start)
         if op == lib.CHM_OP_PREFETCH:
+            ctl.check_range(e.addr, e.len, "size")
+            pages = (e.addr + e.len - 1) // ctl.page - e.addr // ctl.page + 1
+            self._check_share(c, pages)
             handle, ack = ctl.prefetch(e.addr, e.len, start)
-            c.handles.add(handle)
+            c.handles[handle] = pages
+            c.pages_held += pages
             return handle, ack
         if op == lib.CHM_OP_WAIT:
             self._own(c, e.handle)
@@ -352,7 +503,7 @@ class DeviceServer:
         if op == lib.CHM_OP_RELEASE:
             self._own(c, e.handle)
             finish = ctl.release(e.handle, start)
-            c.handles.discard(e.handle)
+            c.pages_held -= c.handles.pop(e.handle)
             return 0, finish
         if op == lib.CHM_OP_FLUSH:
             return 0, ctl.flush(start)
@@ -368,7 +519,10 @@ class DeviceServer:
             return 0, start
         if op == lib.CHM_OP_STATS_JSON:
             snap = ctl.snapshot()
-            snap.update(clock_ns=start, clients=len(self.clients), client_id=c.id)
+            snap.update(clock_ns=start, clients=len(self.clients), client_id=c.id, last_error=c.last_error,
+                        prefetch={"share_ppm": c.share_ppm, "pages_held": c.pages_held,
+                                  "pages_limit": c.prefetch_pages_limit, "handles_held": len(c.handles),
+                                  "handles_limit": c.prefetch_handles_limit})
             text = json.dumps(snap).encode()
             out = c.buffer(e.buf_offset, e.len)
             if len(text) > e.len:
@@ -376,6 +530,31 @@ class DeviceServer:
             out[: len(text)] = text
             return len(text), start
         raise ChmError(errno.EINVAL, f"unknown opcode {op} (valid: 1..{lib.CHM_OP_MAX})")
+
+    @staticmethod
+    def _check_reserved(e) -> None:
+        if e.flags or e.rsvd0 or e.rsvd1 or e.rsvd2:
+            raise ChmError(errno.EINVAL, f"reserved fields must be 0 (flags={e.flags}, rsvd0={e.rsvd0}, "
+                                         f"rsvd1={e.rsvd1}, rsvd2={e.rsvd2})")
+
+    def _check_share(self, c: Client, pages: int) -> None:
+        """Refuse a prefetch beyond this client's share of the window (pages) or of the handles.
+
+        Checked only where the share is below the device's own limit; otherwise the device's window
+        and handle checks (emulator/prefetch.py) speak."""
+        engine = self.ctl.engine
+        share = f"share {c.share_ppm} ppm of the device's {engine.window_pages} pages and {engine.max_handles} handles"
+        if c.prefetch_pages_limit < engine.window_pages:
+            if pages > c.prefetch_pages_limit:
+                raise ChmError(errno.EINVAL, f"object of {pages} pages can never fit this client's prefetch share "
+                                             f"of {c.prefetch_pages_limit} pages ({share})")
+            if c.pages_held + pages > c.prefetch_pages_limit:
+                raise ChmError(errno.EBUSY, f"this client's prefetch share is full: it holds {c.pages_held} of its "
+                                            f"{c.prefetch_pages_limit} pages, {pages} more requested ({share}); "
+                                            f"release a handle first")
+        if c.prefetch_handles_limit < engine.max_handles and len(c.handles) >= c.prefetch_handles_limit:
+            raise ChmError(errno.EBUSY, f"this client's prefetch share is full: it holds {len(c.handles)} of its "
+                                        f"{c.prefetch_handles_limit} handles ({share}); release a handle first")
 
     @staticmethod
     def _own(c: Client, handle: int) -> None:
@@ -401,7 +580,10 @@ class DeviceServer:
         lib.chm_srv_set_sleeping(node, 0)
         if not self.pacing:
             self.floor += time.monotonic_ns() - t0  # idle wall time passes on the device too
-        self.ctl.tick(self._now())
+        try:
+            self.ctl.tick(self._now())  # media errors never raise here (the controller logs and retries them)
+        except Exception:  # a device bug in the background flusher must not end serve
+            self.log(f"internal error in the background flusher:\n{traceback.format_exc()}")
         self._control(events)
         if self.pending:
             self._drop_stalled_handshakes()
@@ -437,11 +619,62 @@ class DeviceServer:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._shed_one(exc):
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO):  # the peer gave up before we took it
+                    continue
+                self._log_limited("accept", f"accepting a connection failed: {exc}")
+                return
+            if len(self.pending) >= MAX_PENDING_ATTACHES:
+                self._refuse(conn, errno.EAGAIN)
+                self._log_limited("flood", f"{MAX_PENDING_ATTACHES} attach requests are already pending: "
+                                           f"a new connection was closed at once")
+                continue
             # The request is collected without blocking: a client that connects and says
             # nothing holds nobody up (it is dropped after ATTACH_TIMEOUT_S).
             conn.setblocking(False)
             self.pending[conn.fileno()] = (conn, b"", time.monotonic())
             self.poller.register(conn.fileno(), select.POLLIN)
+
+    def _shed_one(self, exc: OSError) -> bool:
+        """Out of fds: give up the reserve fd to accept one connection and close it, so the listener
+        does not stay readable forever. True if one was shed."""
+        self._log_limited("emfile", f"out of file descriptors ({exc.strerror}): closing new connections "
+                                    f"until some are free ({len(self.clients)} clients, {len(self.pending)} pending)")
+        if self._reserve_fd < 0:
+            return False
+        os.close(self._reserve_fd)
+        self._reserve_fd = -1
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            conn = None
+        if conn is not None:
+            self._refuse(conn, exc.errno)
+        try:
+            self._reserve_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass  # tried again on the next exhaustion
+        return conn is not None
+
+    def _refuse(self, conn: socket.socket, err: int) -> None:
+        """Answer an attach not taken (best effort: the request may not even have been sent) and close."""
+        try:
+            conn.setblocking(False)
+            self._reply(conn, -err)
+        except OSError:
+            pass
+        conn.close()
+
+    def _log_limited(self, key: str, msg: str) -> None:
+        now = time.monotonic()
+        last, repeats = self._last_logged.get(key, (-LOG_INTERVAL_S, 0))
+        if now - last < LOG_INTERVAL_S:
+            self._last_logged[key] = (last, repeats + 1)
+            return
+        self.log(msg + (f" (and {repeats} more times in the last {now - last:.0f} s)" if repeats else ""))
+        self._last_logged[key] = (now, 0)
 
     def _handshake(self, fd: int) -> None:
         conn, raw, since = self.pending[fd]
@@ -486,8 +719,9 @@ class DeviceServer:
     def _attach(self, conn: socket.socket, raw: bytes) -> None:
         pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         req = ffi.cast("struct chm_attach_req *", ffi.from_buffer(raw))
-        status = self._check_attach(req, uid)
+        status, why = self._check_attach(req, uid)
         if status:
+            self._log_limited("attach", f"attach of pid {pid} refused: {why}")
             self._reply(conn, -status)
             conn.close()
             return
@@ -496,10 +730,22 @@ class DeviceServer:
         offs = ffi.new("uint64_t[4]")
         total = lib.chm_srv_qp_layout(sq, cq, staging, offs + 0, offs + 1, offs + 2, offs + 3)
         cid = self._next_id
-        self._next_id += 1
-        fd = os.memfd_create(f"chm-qp-{cid}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, total)
+            fd = os.memfd_create(f"chm-qp-{cid}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            self._log_limited("qp", f"attach of pid {pid} refused: no queue pair memfd: {exc.strerror}")
+            self._refuse(conn, exc.errno or errno.EIO)
+            return
+        try:
+            try:  # backed now: a full memory or shm gives ENOSPC here, never SIGBUS on a later access
+                os.ftruncate(fd, total)
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                self._log_limited("qp", f"attach of pid {pid} refused: cannot allocate its queue pair of {total} "
+                                        f"bytes: {exc.strerror}")
+                self._refuse(conn, exc.errno or errno.EIO)
+                return
+            self._next_id += 1
             # Sealed: the client cannot shrink the mapping under the device (SIGBUS) or grow it.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             qp_map = mmap.mmap(fd, total)
@@ -507,7 +753,12 @@ class DeviceServer:
             base = ffi.from_buffer(qp_map)
             lib.chm_srv_qp_init(srv, base, cid, sq, cq, staging)
             del base
-            c = Client(cid, conn, pid, qp_map, srv, offs[3], staging, offs[2], self._now())
+            share = req.prefetch_share_ppm or round(self.cfg.policy.prefetch_client_share * lib.CHM_PPM)
+            engine = self.ctl.engine
+            # The share applies alike to the window's pages and to the handles; each limit is at least one.
+            c = Client(cid, conn, pid, qp_map, srv, offs[3], staging, offs[2], self._now(), share,
+                       max(1, engine.window_pages * share // lib.CHM_PPM),
+                       max(1, engine.max_handles * share // lib.CHM_PPM))
             self.clients[cid] = c
             self.by_fd[conn.fileno()] = c
             self.poller.register(conn.fileno(), select.POLLIN)
@@ -523,20 +774,28 @@ class DeviceServer:
             os.close(fd)
         conn.setblocking(False)
 
-    def _check_attach(self, req, uid: int) -> int:
-        """0, or the errno that refuses this attach request."""
+    def _check_attach(self, req, uid: int) -> tuple[int, str]:
+        """(0, ""), or the errno that refuses this attach request and why."""
         if uid != os.getuid() and uid != 0:
-            return errno.EACCES
+            return errno.EACCES, f"uid {uid} may not use a device served by uid {os.getuid()}"
         if req.magic != lib.CHM_WIRE_MAGIC or req.version != lib.CHM_WIRE_VERSION:
-            return errno.EPROTO
-        for n in (req.sq_entries, req.cq_entries):
+            return errno.EPROTO, (f"magic {req.magic:#x} version {req.version}; this device speaks "
+                                  f"magic {lib.CHM_WIRE_MAGIC:#x} version {lib.CHM_WIRE_VERSION}")
+        for name in ("sq_entries", "cq_entries"):
+            n = getattr(req, name)
             if n < lib.CHM_MIN_ENTRIES or n > lib.CHM_MAX_ENTRIES or n & (n - 1):
-                return errno.EINVAL
+                return errno.EINVAL, (f"{name} {n} is not a power of two in "
+                                      f"[{lib.CHM_MIN_ENTRIES}, {lib.CHM_MAX_ENTRIES}]")
         if req.cq_entries < req.sq_entries:
-            return errno.EINVAL
+            return errno.EINVAL, f"cq_entries {req.cq_entries} is below sq_entries {req.sq_entries}"
         if req.staging_bytes == 0 or req.staging_bytes > lib.CHM_MAX_STAGING_BYTES:
-            return errno.EINVAL
-        return 0
+            return errno.EINVAL, f"staging_bytes {req.staging_bytes} is outside [1, {lib.CHM_MAX_STAGING_BYTES}]"
+        if req.prefetch_share_ppm > lib.CHM_PPM:
+            return errno.EINVAL, (f"prefetch_share_ppm {req.prefetch_share_ppm} is outside [0, {lib.CHM_PPM}] "
+                                  f"(0: the device default)")
+        if req.rsvd0:
+            return errno.EINVAL, f"rsvd0 {req.rsvd0} must be 0"
+        return 0, ""
 
     def _detach(self, c: Client, why: str) -> None:
         """Reclaim a client's queue pair and release its prefetch handles."""
@@ -554,6 +813,7 @@ class DeviceServer:
             except ChmError as exc:
                 self.log(f"releasing handle {handle} of client {c.id}: {exc}")
         c.handles.clear()
+        c.pages_held = 0
         self.held = [h for h in self.held if h[3] is not c]
         heapq.heapify(self.held)
         c.close()
@@ -568,6 +828,9 @@ class DeviceServer:
             self._qp_array[i] = c.srv
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def install_signal_handlers(server: DeviceServer) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, server.request_stop)

@@ -24,6 +24,9 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 IO_ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths
 
 POLICY_NAMES = ("lru", "hymcache")
+FAULT_ERRNOS = ("none", "ENOSPC", "EIO")  # what an injected media failure completes with
+FAULT_OPS = ("write", "read", "any")
+_REQUIRED = object()  # Field.default of a field every profile must give
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class Field:
     hi: float | None = None
     choices: tuple | None = None
     doc: str = ""
+    default: Any = _REQUIRED  # a field with a default may be left out of a profile
 
     @property
     def key(self) -> str:
@@ -92,9 +96,19 @@ FIELDS: tuple[Field, ...] = (
     Field("policy", "lru_writeback_delay_ns", float, 0, 1e15, doc="lru: dirty pages go to flash this long after the write"),
     Field("emulation", "data", bool, doc="move real bytes (false: state and time only, for trace replay)"),
     Field("emulation", "io_queue_depth", int, 1, 4096, doc="io_uring submission queue depth"),
+    # Test-only fault injection in the io_uring backend (no root needed); profiles need not list [faults].
+    Field("faults", "errno", str, choices=FAULT_ERRNOS, default="none",
+          doc="errno an injected media failure completes with (none: no faults)"),
+    Field("faults", "ops", str, choices=FAULT_OPS, default="write", doc="which media operations may fail"),
+    Field("faults", "first_failing_op", int, 0, 1 << 62, default=0,
+          doc="the Nth media operation of faults.ops (counted from 1 since open) is the first to fail; 0: none fails"),
+    Field("faults", "failing_ops", int, 1, 1 << 62, default=1,
+          doc="how many consecutive media operations of faults.ops fail, from faults.first_failing_op on"),
 )
 FIELDS_BY_KEY = {f.key: f for f in FIELDS}
 SECTIONS = tuple(dict.fromkeys(f.section for f in FIELDS))
+# Sections whose every field has a default: a profile may leave them out.
+OPTIONAL_SECTIONS = tuple(s for s in SECTIONS if all(f.default is not _REQUIRED for f in FIELDS if f.section == s))
 
 
 class Config(SimpleNamespace):
@@ -143,6 +157,8 @@ def from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     sections: dict[str, SimpleNamespace] = {}
     for section in SECTIONS:
         given = raw.get(section)
+        if given is None and section in OPTIONAL_SECTIONS:
+            given = {}
         if not isinstance(given, Mapping):
             raise ConfigError(f"{source}: missing section [{section}]")
         values = {}
@@ -151,7 +167,10 @@ def from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
                 raise ConfigError(f"{source}: unknown field {section}.{name}")
         for field in (f for f in FIELDS if f.section == section):
             if field.name not in given:
-                raise ConfigError(f"{source}: missing field {field.key}")
+                if field.default is _REQUIRED:
+                    raise ConfigError(f"{source}: missing field {field.key}")
+                values[field.name] = field.default
+                continue
             values[field.name] = field.check(given[field.name], source)
         sections[section] = SimpleNamespace(**values)
     cfg = Config(source=source, **sections)
@@ -178,6 +197,9 @@ def _check_consistency(cfg: Config) -> None:
     need(window_pages < cfg.read_staging_frames,
          f"policy.prefetch_window_bytes = {cfg.policy.prefetch_window_bytes} needs {window_pages} frames; "
          f"the read-staging area has {cfg.read_staging_frames} and one must stay free for demand reads")
+    need(cfg.faults.first_failing_op == 0 or cfg.faults.errno != "none",
+         f"faults.first_failing_op = {cfg.faults.first_failing_op} needs faults.errno set to one of "
+         f"{', '.join(FAULT_ERRNOS[1:])} (it is 'none')")
     if cfg.policy.name == "hymcache":
         need(cfg.write_buffer_frames >= 1,
              f"policy.write_buffer_fraction = {cfg.policy.write_buffer_fraction} leaves no write-buffer frame "
@@ -198,7 +220,14 @@ def load_profile(name_or_path: str | Path) -> Config:
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
             raise ConfigError(f"profile file {str(path)!r} does not exist")
-        text, source = path.read_text(), str(path)
+        source = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"profile file {source!r} is not a TOML text file: byte {exc.start} is not UTF-8 "
+                              f"({exc.reason})") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read profile file {source!r}: {exc.strerror}") from None
     else:
         if str(name_or_path) not in profile_names():
             raise ConfigError(f"unknown profile {str(name_or_path)!r}; shipped profiles: {', '.join(profile_names())}")

@@ -11,7 +11,16 @@ Frame states (per DRAM frame):
 * ``io_token[f]`` -- the real media read filling the frame, until settled;
 * ``write_seq[f]`` -- bumped by every write, so a flush that completes after a
   newer write does not mark the frame clean;
-* a frame being flushed is pinned until its flush completes.
+* a frame being flushed is pinned until its flush completes;
+* ``read_error[f]`` -- the media error of a staging read that failed: reads of
+  the frame raise it until the frame is dropped (once nobody pins it).
+
+Media errors. A flush write that fails (ENOSPC, EIO) leaves its pages dirty,
+queued and pinned in DRAM (reads keep being served from there); the device
+enters a media-error state: new writes are refused with ENOSPC and the
+background flusher retries after a wall-time backoff (``MEDIA_RETRY_FIRST_S``,
+doubling, at most ``MEDIA_RETRY_MAX_S``). A successful flush clears the state.
+Each episode and its recovery is logged once.
 """
 
 from __future__ import annotations
@@ -20,17 +29,41 @@ import errno
 import heapq
 import mmap
 import os
+import sys
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import Config
 from .errors import ChmError, WriteBufferFull
 from .policies import make_policy
 from .prefetch import PrefetchEngine
-from .ssd import SsdBackend, locate
+from .ssd import MediaIOError, SsdBackend, locate
 from .timing import TimingModel
 
 MAX_CHUNK_PAGES = 64  # a large read is staged and copied in chunks of at most this many pages
+MEDIA_RETRY_FIRST_S = 1.0  # wall time before the flusher retries after a media error; doubles per failure
+MEDIA_RETRY_MAX_S = 30.0  # ... up to this
+DRAIN_TIMEOUT_S = 30.0  # default bound on close()'s drain while the media fail (chm serve --drain-timeout)
+UNCLEAN_SHUTDOWN_MESSAGE = "unclean shutdown: writes acknowledged but not flushed before it may be lost"
+
+
+def _log_to_stderr(message: str) -> None:
+    print(f"chm: {message}", file=sys.stderr, flush=True)
+
+
+def _utc(wall: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall))
+
+
+class UnflushedData(ChmError):
+    """close() gave up draining: ``pages`` pages (``nbytes`` bytes) acknowledged but never flushed are lost;
+    ``error`` is the media error that kept them off the media."""
+
+    def __init__(self, pages: int, nbytes: int, error: ChmError):
+        super().__init__(error.errno, f"{pages} pages ({nbytes} bytes) of acknowledged writes were left unflushed "
+                                      f"(lost): {error.message}")
+        self.pages, self.nbytes, self.error = pages, nbytes, error
 
 
 class DramRegion:
@@ -61,6 +94,9 @@ class Flight:
     seqs: list[int]
     token: int | None
     finish: float
+    since: list[float] = field(default_factory=list)  # each frame's write time, to requeue it if the write fails
+    error: ChmError | None = None  # the media error the write completed with
+    generation: int = 0  # Controller._generation when issued: only a retry's failure doubles the backoff
 
 
 @dataclass
@@ -72,8 +108,11 @@ class Staged:
 
 
 class Controller:
-    def __init__(self, cfg: Config, media_dir: str | os.PathLike | None = None):
+    def __init__(self, cfg: Config, media_dir: str | os.PathLike | None = None, log=None, format_media: bool = False):
+        """``log``: a callable taking one line (media errors, recoveries, unclean shutdown); default stderr.
+        ``format_media``: erase the media directory first (else foreign, missing or truncated media are refused)."""
         self.cfg = cfg
+        self.log = log or _log_to_stderr
         self.page = cfg.device.page_size_bytes
         self.capacity = cfg.capacity_bytes
         self.policy = make_policy(cfg)
@@ -97,18 +136,32 @@ class Controller:
             "read_bytes", "write_bytes", "hit_bytes", "prefetch_bytes", "ssd_read_bytes", "ssd_write_bytes",
             "page_hits", "page_misses", "merged_misses", "prefetch_staged_pages", "prefetch_resident_pages",
             "refused_writes", "refused_write_bytes", "rmw_reads", "evictions", "dirty_evictions",
-            "flush_batches", "flushed_pages"), 0)
+            "flush_batches", "flushed_pages", "media_errors", "flush_failures", "media_refused_writes",
+            "read_failures", "lost_pages"), 0)
+        self.media_error: ChmError | None = None  # set while flushes fail; new writes are refused
+        self.media_error_since = 0.0  # wall time (time.time()) the episode began
+        self._retry_delay_s = MEDIA_RETRY_FIRST_S
+        self._retry_at = 0.0  # time.monotonic() before which the background flusher does not retry
+        self.read_error: dict[int, ChmError] = {}
+        self._held_dirty: set[int] = set()  # dirty frames kept pinned while the media fail, until flushed
+        self._failed_frames: set[int] = set()  # frames whose last flush failed; the error clears when none is left
+        self._generation = 0  # bumped at each backoff step
+        self._read_error_logged: tuple | None = None
         self.data = cfg.emulation.data
         self.backend = self.dram = None
         if self.data:
             if media_dir is None:
                 raise ChmError(errno.EINVAL, "media_dir is required when emulation.data is on")
-            self.backend = SsdBackend(cfg, media_dir)
+            self.backend = SsdBackend(cfg, media_dir, format_media)
             try:
                 self.dram = DramRegion(cfg.dram.size_bytes, self.backend.ffi)
             except BaseException:
-                self.backend.close()
+                self.backend.close(clean=not self.backend.unclean_shutdown)
                 raise
+        self.device_epoch = self.backend.meta.epoch if self.backend else 0
+        self.unclean_shutdown = self.backend.unclean_shutdown if self.backend else False
+        if self.unclean_shutdown:
+            self.log(f"{UNCLEAN_SHUTDOWN_MESSAGE} (media {str(self.backend.media_dir)!r})")
 
     # ---- helpers ---------------------------------------------------------------
     def _cycles(self, ready: float, cycles: int) -> float:
@@ -126,11 +179,36 @@ class Controller:
         return self.backend.submit(opcode, ssd, offset, self.dram.base_addr + frame * self.page, self.page)
 
     def _settle(self, frame: int) -> None:
-        """Make sure a frame's staging read has really landed."""
+        """Make sure a frame's staging read has really landed (a failure is kept in ``read_error``)."""
         token = self.io_token[frame]
         if token is not None:
-            self.backend.wait(token)
             self.io_token[frame] = None
+            try:
+                self.backend.wait(token)
+            except MediaIOError as exc:
+                self.read_error[frame] = exc
+                self.stats["read_failures"] += 1
+                if self._read_error_logged != (exc.errno, exc.path):
+                    self._read_error_logged = (exc.errno, exc.path)
+                    self.log(f"media error on a staging read: {exc.message}")
+
+    def _check_read(self, frame: int) -> None:
+        """Raise the media error of the frame's staging read, if it failed."""
+        exc = self.read_error.get(frame)
+        if exc is not None:
+            raise ChmError(exc.errno, exc.message)
+
+    def _drop_failed_reads(self) -> None:
+        """Frames whose staging read failed leave DRAM once nobody pins them, so a later read retries the media."""
+        for frame in list(self.read_error):
+            page = self.policy.page_of(frame)
+            if page is None:
+                del self.read_error[frame]
+            elif self.policy.pins(frame) == 0 and not self.queued[frame]:
+                area = self.policy.area_of(frame)
+                if not area.table.dirty[frame - area.base]:
+                    area.table.invalidate(frame - area.base)
+                    del self.read_error[frame]
 
     def _ssd_of(self, page: int):
         return self.timing.ssds[locate(self.cfg, page * self.page)[0]]
@@ -163,6 +241,7 @@ class Controller:
             if ins.victim_dirty:
                 ready = self._write_back_victim(frame, ins.victim_page, now)
         self._settle(frame)  # a frame is only reused once its earlier read has landed
+        self.read_error.pop(frame, None)
         # The SSD-to-DRAM DMA is not charged to the DRAM pipe: DRAM outruns the SSDs, and a
         # reservation at the future arrival time would hold up host accesses issued before it.
         self.ready_at[frame] = max(self._ssd_of(page).read(now, self.page), ready)
@@ -177,7 +256,12 @@ class Controller:
         done = self._ssd_of(victim_page).write(now, self.page)
         token = self._media_io(SsdBackend.WRITE, frame, victim_page)
         if token is not None:
-            self.backend.wait(token)
+            try:
+                self.backend.wait(token)
+            except MediaIOError as exc:  # the frame is already the new page's: the victim's data is gone
+                self.stats["lost_pages"] += 1
+                self.log(f"media error writing back evicted dirty page {victim_page}: its data is lost: {exc.message}")
+                self._media_failed(exc)
         self.stats["ssd_write_bytes"] += self.page
         return done
 
@@ -190,6 +274,10 @@ class Controller:
     def tick(self, now: float, force: bool = False) -> None:
         """Background work at virtual time ``now``: retire finished flushes, start new ones."""
         self._complete_flights(now)
+        if self.read_error:
+            self._drop_failed_reads()
+        if self.media_error is not None and not force and time.monotonic() < self._retry_at:
+            return  # backing off after a media error
         limit = self.policy.flush_pages_in_flight
         if limit is not None and self._flushing_pages >= limit and not force:
             return
@@ -197,23 +285,28 @@ class Controller:
             n = self.policy.flush_grant(self.dirty, now, self.timing.reads_in_flight(now), force)
             if n == 0:
                 return
-            self._start_flush([self.dirty.popleft()[0] for _ in range(n)], now)
+            self._start_flush([self.dirty.popleft() for _ in range(n)], now)
             if not force:
                 return
 
-    def _start_flush(self, frames: list[int], now: float) -> None:
+    def _start_flush(self, entries: list[tuple[int, float]], now: float) -> None:
+        """Write the dirty ``entries`` ((frame, write time)) to the media."""
         self.stats["flush_batches"] += 1
-        frames.sort(key=lambda f: self.policy.page_of(f))
+        since = dict(entries)
+        frames = sorted(since, key=lambda f: self.policy.page_of(f))
         run: list[int] = []
         for frame in frames:
             self.queued[frame] = 0
-            self.policy.pin(frame)
+            if frame in self._held_dirty:  # pinned since its last flush failed: the flight takes that pin over
+                self._held_dirty.discard(frame)
+            else:
+                self.policy.pin(frame)
             if run and not self._extends(run[-1], frame):
-                self._write_run(run, now)
+                self._write_run(run, now, since)
                 run = []
             run.append(frame)
         if run:
-            self._write_run(run, now)
+            self._write_run(run, now, since)
 
     def _extends(self, prev: int, frame: int) -> bool:
         """Can ``frame`` join a media write ending with ``prev`` (adjacent in DRAM and on the same SSD file)?"""
@@ -221,7 +314,7 @@ class Controller:
         a, b = locate(self.cfg, p * self.page), locate(self.cfg, q * self.page)
         return frame == prev + 1 and a[0] == b[0] and b[1] == a[1] + self.page
 
-    def _write_run(self, run: list[int], now: float) -> None:
+    def _write_run(self, run: list[int], now: float, since: dict[int, float]) -> None:
         first_page = self.policy.page_of(run[0])
         nbytes = len(run) * self.page
         finish = self._ssd_of(first_page).write(now, nbytes)
@@ -231,7 +324,9 @@ class Controller:
             token = self.backend.submit(SsdBackend.WRITE, ssd, offset, self.dram.base_addr + run[0] * self.page, nbytes)
         self._flight_order += 1
         self._flushing_pages += len(run)
-        heapq.heappush(self.flights, (finish, self._flight_order, Flight(run, [self.write_seq[f] for f in run], token, finish)))
+        flight = Flight(run, [self.write_seq[f] for f in run], token, finish, [since[f] for f in run],
+                        generation=self._generation)
+        heapq.heappush(self.flights, (finish, self._flight_order, flight))
         self.stats["ssd_write_bytes"] += nbytes
         self.stats["flushed_pages"] += len(run)
 
@@ -242,35 +337,107 @@ class Controller:
         while self.flights and self.flights[0][0] <= now:
             landed.append(heapq.heappop(self.flights))
         landed.sort(key=lambda entry: entry[1])  # retired in issue order, as they were issued
+        failed: Flight | None = None
+        requeue: list[tuple[int, float]] = []
         for _, _, flight in landed:
             self._flushing_pages -= len(flight.frames)
-            if flight.token is not None:
-                self.backend.wait(flight.token)
-            for frame, seq in zip(flight.frames, flight.seqs):
-                self.policy.unpin(frame)
-                if self.write_seq[frame] == seq and not self.queued[frame]:
-                    self.policy.flushed(frame)
+            self._land(flight)
+            if flight.error is not None:  # the pages stay dirty, pinned and queued: nothing acknowledged is dropped
+                if failed is None or flight.generation > failed.generation:
+                    failed = flight
+                self.stats["flush_failures"] += 1
+                self._failed_frames.update(flight.frames)
+                for frame, since in zip(flight.frames, flight.since):
+                    self._held_dirty.add(frame)
+                    if not self.queued[frame]:
+                        self.queued[frame] = 1
+                        requeue.append((frame, since))
+            else:
+                self._failed_frames.difference_update(flight.frames)
+                for frame, seq in zip(flight.frames, flight.seqs):
+                    self.policy.unpin(frame)
+                    if self.write_seq[frame] == seq and not self.queued[frame]:
+                        self.policy.flushed(frame)
             latest = max(latest, flight.finish)
+        if requeue:
+            self.dirty.extendleft(reversed(sorted(requeue, key=lambda e: e[1])))  # oldest first, ahead of newer writes
+        if failed is not None:
+            self._media_failed(failed.error, failed.generation)
+        elif self.media_error is not None and not self._failed_frames:
+            self._media_recovered()  # every page whose flush failed has been flushed since
         return latest
 
+    def _land(self, flight: Flight) -> None:
+        """Wait for a flush write's real I/O; a media error is kept on the flight."""
+        if flight.token is not None:
+            token, flight.token = flight.token, None
+            try:
+                self.backend.wait(token)
+            except MediaIOError as exc:
+                flight.error = exc
+
+    def _unflushed(self) -> tuple[int, int]:
+        pages = len(self.dirty)
+        return pages, pages * self.page
+
+    def _media_failed(self, exc: ChmError, generation: int | None = None) -> None:
+        """A media write failed (``generation``: of the flight that failed; None: not a flush)."""
+        for frame, _ in self.dirty:  # no dirty page may be evicted (and its write-back fail) while the media fail
+            if frame not in self._held_dirty:
+                self._held_dirty.add(frame)
+                self.policy.pin(frame)
+        if self.media_error is None:
+            self.media_error, self.media_error_since = exc, time.time()
+            self._generation += 1
+            self._retry_delay_s = MEDIA_RETRY_FIRST_S
+            self.stats["media_errors"] += 1
+            pages, nbytes = self._unflushed()
+            self.log(f"media error: {exc.message}; {pages} pages ({nbytes} bytes) stay dirty in DRAM and are retried "
+                     f"every {MEDIA_RETRY_FIRST_S:g} s (doubling, at most {MEDIA_RETRY_MAX_S:g} s); new writes are "
+                     f"refused (ENOSPC) until a retry succeeds")
+        elif generation == self._generation:  # a retry failed: back off further
+            self.media_error = exc
+            self._generation += 1
+            self._retry_delay_s = min(2 * self._retry_delay_s, MEDIA_RETRY_MAX_S)
+        else:
+            return  # a write issued before the last backoff step: it changes nothing
+        self._retry_at = time.monotonic() + self._retry_delay_s
+
+    def _media_recovered(self) -> None:
+        lasted = time.time() - self.media_error_since
+        self.log(f"media recovered: a flush succeeded after {lasted:.1f} s of media errors ({self.media_error.message}); "
+                 f"writes are accepted again")
+        self.media_error = None
+        self._retry_delay_s = MEDIA_RETRY_FIRST_S
+
     def flush(self, now: float) -> float:
-        """Drain everything written to the media; returns when it is there (virtual time)."""
+        """Drain everything written to the media; returns when it is there (virtual time).
+
+        Tries at once, whatever the media-error backoff says; raises the media error (ENOSPC, EIO, with
+        the file) if pages remain unflushed -- they stay dirty in DRAM and are retried."""
         self.stats["flush_calls"] += 1
         self.tick(now, force=True)
         done = max([now] + [entry[0] for entry in self.flights])
         self._complete_flights(float("inf"))
+        if self.dirty and self.media_error is not None:
+            pages, nbytes = self._unflushed()
+            raise ChmError(self.media_error.errno, f"flush incomplete: {pages} pages ({nbytes} bytes) are not on the "
+                                                   f"media (they stay in device DRAM and are retried): "
+                                                   f"{self.media_error.message}")
         if self.data:
             self.backend.sync()
         return done
 
     # ---- reads -------------------------------------------------------------------
-    def read(self, addr: int, length: int, now: float, out: memoryview | None = None) -> float:
-        """Copy ``length`` bytes at ``addr`` into ``out``; returns the finish time."""
+    def read(self, addr: int, length: int, now: float, out: memoryview | None = None, whole: bool = True) -> float:
+        """Copy ``length`` bytes at ``addr`` into ``out``; returns the finish time.
+
+        ``whole=False``: this call is one piece of a larger command, which the caller counts once
+        (``count_command``) when its last piece is done."""
         self.check_range(addr, length)
         self.tick(now)
         pages = self._pages(addr, length)
         stats = self.stats
-        stats["reads"] += 1
         stats["read_bytes"] += length
         t = self._cycles(now, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_lookup)
         frames = [self.policy.lookup(page) for page in pages]
@@ -287,11 +454,19 @@ class Controller:
             for chunk_start in range(0, len(pages), self.chunk_pages):
                 chunk = pages[chunk_start: chunk_start + self.chunk_pages]
                 frames = self._lookup_or_stage(chunk, t)
-                finish = max(finish, self._copy_out(addr, length, chunk, frames, t, out))
-                for frame in frames:
-                    self.policy.unpin(frame)
-        self.timing.latencies.add("read", finish - now)
+                try:
+                    finish = max(finish, self._copy_out(addr, length, chunk, frames, t, out))
+                finally:
+                    for frame in frames:
+                        self.policy.unpin(frame)
+        if whole:
+            self.count_command("read", finish - now)
         return finish
+
+    def count_command(self, kind: str, latency_ns: float) -> None:
+        """One host command (``read`` or ``write``) done: its count and its latency sample."""
+        self.stats[kind + "s"] += 1
+        self.timing.latencies.add(kind, latency_ns)
 
     def _lookup_or_stage(self, pages: range, t: float) -> list[int]:
         """Frames for ``pages``, staging the missing ones; each is pinned (staging may evict)."""
@@ -315,7 +490,7 @@ class Controller:
 
         Frames that follow each other in DRAM are copied with one memcpy; time is charged page by page,
         so DRAM and the link pipeline at page granularity."""
-        page_size, ready_at, io_token = self.page, self.ready_at, self.io_token
+        page_size, ready_at, io_token, read_error = self.page, self.ready_at, self.io_token, self.read_error
         readies, sizes = [], []
         run_src = run_dst = run_len = 0
         run_last = -2  # frame that ends the pending copy run
@@ -330,6 +505,8 @@ class Controller:
             if self.data:
                 if io_token[frame] is not None:
                     self._settle(frame)
+                if read_error and frame in read_error:
+                    self._check_read(frame)
                 if out is not None:
                     if frame == run_last + 1 and lo == 0:
                         run_len += hi
@@ -346,13 +523,20 @@ class Controller:
         return self.timing.link_to_host.stream(self.timing.dram.stream(readies, sizes), sizes)[-1]
 
     # ---- writes ------------------------------------------------------------------
-    def write(self, addr: int, data: memoryview | None, length: int, now: float) -> float:
+    def write(self, addr: int, data: memoryview | None, length: int, now: float, whole: bool = True) -> float:
         """Write ``length`` bytes (``data``, or nothing when data is off) at ``addr``; returns the finish time.
 
-        Raises WriteBufferFull, having written nothing, when the policy refuses.
+        Raises WriteBufferFull, having written nothing, when the policy refuses. ``whole`` as for ``read``.
         """
         self.check_range(addr, length)
         self.tick(now)
+        if self.media_error is not None:
+            self.stats["media_refused_writes"] += 1
+            pages, nbytes = self._unflushed()
+            raise ChmError(errno.ENOSPC, f"write of {length} bytes at {addr} refused: the media are full or failing "
+                                         f"since {_utc(self.media_error_since)} ({self.media_error.message}); "
+                                         f"{pages} pages ({nbytes} bytes) wait in device DRAM to be flushed; writes "
+                                         f"resume when space returns and a flush retry succeeds")
         pages = self._pages(addr, length)
         new_pages = sum(1 for p in pages if self.policy.write_lookup(p) is None)
         if new_pages > self.cfg.write_buffer_frames > 0:
@@ -363,7 +547,6 @@ class Controller:
             self.stats["refused_write_bytes"] += length
             raise WriteBufferFull(f"write of {length} bytes at {addr} needs {new_pages} write-buffer pages; "
                                   f"the buffer has no room until a flush completes")
-        self.stats["writes"] += 1
         self.stats["write_bytes"] += length
         arrived = self.timing.link_to_device.transfer(now, length)  # a refused write moves no payload
         t = self._cycles(arrived, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_admission)
@@ -373,7 +556,8 @@ class Controller:
             hi = min(addr + length, (page + 1) * self.page) - page * self.page
             src = None if data is None else data[page * self.page + lo - addr: page * self.page + hi - addr]
             finish = max(finish, self._write_page(page, lo, hi, src, t))
-        self.timing.latencies.add("write", finish - now)
+        if whole:
+            self.count_command("write", finish - now)
         return finish
 
     def _write_page(self, page: int, lo: int, hi: int, src: memoryview | None, now: float) -> float:
@@ -392,11 +576,16 @@ class Controller:
                 if ins.victim_dirty:
                     ready = self._write_back_victim(frame, ins.victim_page, now)
             self._settle(frame)
+            self.read_error.pop(frame, None)
             self.ready_at[frame] = now
             if hi - lo < self.page:  # partial page: the rest must come from DRAM's staged copy or the media
                 ready = max(ready, self._fill_partial(frame, page, now))
         else:
             self._settle(frame)
+            if frame in self.read_error:
+                if hi - lo < self.page:
+                    self._check_read(frame)  # the rest of the page could not be read: nothing to merge with
+                del self.read_error[frame]  # the write supplies every byte
             self._wait_flush_of(frame)
             self.policy.touch(frame)
         copy = self.policy.read_copy(page)
@@ -423,7 +612,14 @@ class Controller:
         self.stats["ssd_read_bytes"] += self.page
         token = self._media_io(SsdBackend.READ, frame, page)
         if token is not None:
-            self.backend.wait(token)
+            try:
+                self.backend.wait(token)
+            except MediaIOError as exc:  # the frame holds no valid copy of the page: give it up, fail the write
+                self.stats["read_failures"] += 1
+                self.policy.flushed(frame)  # not dirty; hymcache returns the write-buffer frame
+                if self.policy.page_of(frame) is not None:
+                    self.read_error[frame] = exc  # lru: dropped once unpinned
+                raise ChmError(exc.errno, f"write needs the rest of page {page} from the media: {exc.message}") from None
         return done
 
     def _wait_flush_of(self, frame: int) -> None:
@@ -431,9 +627,8 @@ class Controller:
         if not self.data:  # no media writes to wait for
             return
         for _, _, flight in self.flights:
-            if frame in flight.frames and flight.token is not None:
-                self.backend.wait(flight.token)
-                flight.token = None
+            if frame in flight.frames:
+                self._land(flight)
 
     # ---- prefetch ----------------------------------------------------------------
     def prefetch(self, addr: int, size: int, now: float) -> tuple[int, float]:
@@ -478,6 +673,8 @@ class Controller:
                                             f"(ready in {(staged.ready_at - now) / 1e6:.3f} ms of modelled time)")
         for frame in staged.frames:
             self._settle(frame)
+        for frame in staged.frames:
+            self._check_read(frame)
         while obj.arrived < obj.pages:
             self.engine.arrived(handle)
         self.tick(now)
@@ -504,14 +701,45 @@ class Controller:
         s["slowed_reads"] = sum(x.slowed_reads for x in self.timing.ssds)
         if self.backend is not None:
             s["direct_io"] = self.backend.direct
+        s["device_epoch"] = self.device_epoch
+        s["unclean_shutdown"] = self.unclean_shutdown
+        err = self.media_error
+        s["media_error"] = None if err is None else {"errno": err.errno, "message": err.message,
+                                                     "since": _utc(self.media_error_since)}
         return s
 
-    def close(self, now: float) -> float:
-        done = self.flush(now)
-        for handle in list(self.staged):
-            self.release(handle, done)
-        if self.backend is not None:
-            self.backend.close()
-        if self.dram is not None:
-            self.dram.close()
+    def close(self, now: float, drain_timeout_s: float | None = DRAIN_TIMEOUT_S) -> float:
+        """Drain the write buffer onto the media and release everything; returns the drain's finish.
+
+        Bounded: while flushes fail it retries (backoff) for at most ``drain_timeout_s`` seconds of wall
+        time (None: until they succeed), then raises UnflushedData naming the pages and bytes left and the
+        media error -- after releasing everything. The media are marked cleanly shut down only when
+        nothing was left."""
+        deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
+        done, left = now, None
+        while True:
+            try:
+                done, left = self.flush(now), None
+                break
+            except ChmError as exc:
+                if not self.dirty:  # fdatasync failed: nothing to retry here
+                    left = exc
+                    break
+                left = exc
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                time.sleep(self._retry_delay_s if remaining is None else min(self._retry_delay_s, remaining))
+        pages, nbytes = self._unflushed()
+        try:
+            for handle in list(self.staged):
+                self.release(handle, done)
+            if self.backend is not None:
+                self.backend.close(clean=left is None)
+        finally:
+            if self.dram is not None:
+                self.dram.close()
+                self.dram = None
+        if left is not None:
+            raise UnflushedData(pages, nbytes, left) if pages else left
         return done

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .config import Config, load_profile
-from .controller import Controller
+from .controller import DRAIN_TIMEOUT_S, Controller
 from .errors import ChmError
 
 
@@ -31,7 +31,7 @@ class Device:
     @classmethod
     def open(cls, profile: str | Path = "small", media_dir: str | Path | None = None, policy: str | None = None,
              config: Config | None = None, overrides: Mapping[str, Any] | None = None,
-             pacing: bool = False) -> "Device":
+             pacing: bool = False, format_media: bool = False, log=None) -> "Device":
         """Open a device from a shipped profile (or ``config``) on a media directory.
 
         ``policy`` overrides the profile's ``policy.name``; ``overrides`` maps
@@ -39,6 +39,9 @@ class Device:
         directory the device lives in a temporary one, removed on close.
         With ``pacing`` each call returns no earlier (in wall time since open)
         than its modelled finish, so the caller feels the device's latency.
+        ``format_media`` erases the media directory first (foreign, missing or
+        truncated media are refused without it); ``log`` receives the
+        controller's log lines (media errors, unclean shutdown; default stderr).
         """
         cfg = config if config is not None else load_profile(profile)
         changes = dict(overrides or {})
@@ -50,7 +53,7 @@ class Device:
         if media_dir is None and cfg.emulation.data:
             owned = media_dir = tempfile.mkdtemp(prefix="chm-media-")
         try:
-            return cls(Controller(cfg, media_dir), owned, pacing)
+            return cls(Controller(cfg, media_dir, log=log, format_media=format_media), owned, pacing)
         except BaseException:
             if owned:
                 shutil.rmtree(owned, ignore_errors=True)
@@ -142,13 +145,16 @@ class Device:
             "write_buffer_bytes": cfg.write_buffer_frames * cfg.device.page_size_bytes,
             "prefetch_window_bytes": cfg.policy.prefetch_window_bytes,
             "profile": cfg.source,
+            "device_epoch": self.controller.device_epoch,
         }
 
-    def close(self) -> None:
+    def close(self, drain_timeout_s: float | None = DRAIN_TIMEOUT_S) -> None:
+        """Drain and close; while the media fail, retry for at most ``drain_timeout_s`` seconds, then raise
+        UnflushedData (what was left unflushed) -- the device is closed either way."""
         if self._ctl is None:
             return
         try:
-            self._advance(self._ctl.close(self.clock_ns))
+            self._advance(self._ctl.close(self.clock_ns, drain_timeout_s))
         finally:
             self._ctl = None
             if self._owned_dir:
@@ -163,6 +169,6 @@ class Device:
     def __del__(self):
         if getattr(self, "_ctl", None) is not None:
             try:
-                self.close()
+                self.close(drain_timeout_s=0)
             except Exception:
                 pass

@@ -42,10 +42,12 @@ class PrefetchEngine:
         if pages > self.window_pages:
             raise ChmError(errno.EINVAL, f"object of {pages} pages can never fit the prefetch window of {self.window_pages} pages")
         if len(self.objects) >= self.max_handles:
-            raise ChmError(errno.EBUSY, f"prefetch window full: {len(self.objects)} of {self.max_handles} handles outstanding")
+            raise ChmError(errno.EBUSY, f"the device's prefetch handles are all in use: {len(self.objects)} of "
+                                        f"{self.max_handles} handles outstanding (policy.prefetch_max_handles)")
         if self.pages_held + pages > self.window_pages:
-            raise ChmError(errno.EBUSY, f"prefetch window full: {self.pages_held} of {self.window_pages} pages held, "
-                                        f"{pages} more requested")
+            raise ChmError(errno.EBUSY, f"the device's prefetch window is full: {self.pages_held} of "
+                                        f"{self.window_pages} pages held, {pages} more requested "
+                                        f"(policy.prefetch_window_bytes)")
         self.objects[handle] = Staging(handle, first_page, pages)
         self.pages_held += pages
         self.fetch_queue.extend((handle, first_page + i) for i in range(pages))

@@ -14,12 +14,15 @@ import errno
 import fcntl
 import os
 import warnings
+from collections import deque
 from pathlib import Path
 
 from driver.native import load_or_build
 
+from . import media
 from .config import IO_ALIGN, Config
 from .errors import ChmError
+from .media import media_file  # the backing files' names (tests and callers of locate import it from here)
 
 
 def locate(cfg: Config, addr: int) -> tuple[int, int]:
@@ -29,41 +32,69 @@ def locate(cfg: Config, addr: int) -> tuple[int, int]:
     return s % count, (s // count) * stripe + addr % stripe
 
 
-def media_file(media_dir: Path, index: int) -> Path:
-    return media_dir / f"ssd{index}.img"
-
-
 def _load_ring_module():
     from . import uring_build
 
     return load_or_build(uring_build.MODULE, uring_build.build, Path(uring_build.__file__).with_suffix(".lock"))
 
 
+class MediaIOError(ChmError):
+    """A media transfer failed: its errno (ENOSPC, EIO, ...) and where."""
+
+    def __init__(self, err: int, op: str, path: Path, offset: int = 0, length: int = 0):
+        what = f"media {op} of {length} bytes at offset {offset} of {str(path)!r}" if length else f"{op} of {str(path)!r}"
+        super().__init__(err, f"{what} failed: {os.strerror(err)}")
+        self.op, self.path, self.offset, self.length = op, path, offset, length
+
+
+class FaultInjector:
+    """Test-only (config ``[faults]``): media operations number ``first_failing_op`` to
+    ``first_failing_op + failing_ops - 1`` of the chosen kind complete with ``errno`` instead of
+    being performed, the way a full or failing disk answers. Works without root."""
+
+    def __init__(self, cfg: Config):
+        f = cfg.faults
+        self.errno = 0 if f.errno == "none" else getattr(errno, f.errno)
+        self.ops = f.ops
+        self.first, self.count = f.first_failing_op, f.failing_ops
+        self.seen = 0  # media operations of the chosen kind so far
+
+    def fails(self, opcode: int) -> int:
+        """0, or the errno the next operation of ``opcode`` completes with."""
+        if not self.errno or (self.ops != "any" and self.ops != ("write" if opcode == SsdBackend.WRITE else "read")):
+            return 0
+        self.seen += 1
+        return self.errno if self.first <= self.seen < self.first + self.count else 0
+
+
 class SsdBackend:
     """Real I/O on the media files. Operations are queued, submitted in
     batches and completed asynchronously; callers hold integer tokens.
 
-    A lock file in the media directory keeps two devices off the same media.
+    Every completion is recorded before anything is raised, so the count of
+    operations in the ring is always right and a wait can never hang; a failed
+    operation's token keeps its error until ``wait`` raises it.
+
+    A lock file in the media directory keeps two devices off the same media;
+    ``chm.meta`` (``emulator.media``) says whose media they are and whether the
+    last shutdown was clean.
     """
 
     READ, WRITE = 0, 1
 
-    def __init__(self, cfg: Config, media_dir: str | os.PathLike):
+    def __init__(self, cfg: Config, media_dir: str | os.PathLike, format_media: bool = False):
         self._mod = _load_ring_module()
         self.ffi, self.lib = self._mod.ffi, self._mod.lib
         self.media_dir = Path(media_dir)
-        self.media_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.media_dir / ".chm.lock", "w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise ChmError(errno.EBUSY, f"media directory {str(self.media_dir)!r} is in use by another device") from None
-        self.direct = True
+        self._ring = None
         self.fds: list[int] = []
+        self._lock = self._lock_media_dir()
+        self.direct = True
         try:
-            for i in range(cfg.ssd.count):
-                self.fds.append(self._open_media(media_file(self.media_dir, i), cfg.ssd.capacity_bytes))
+            self.meta, self.unclean_shutdown = media.open_media(cfg, self.media_dir, format_media)
+            self.paths = [media_file(self.media_dir, i) for i in range(cfg.ssd.count)]
+            for path in self.paths:
+                self.fds.append(self._open_media(path))
             ring = self.ffi.new("struct chm_ring **")
             ret = self.lib.chm_ring_open(cfg.emulation.io_queue_depth, ring)
             if ret < 0:
@@ -73,34 +104,52 @@ class SsdBackend:
             raise
         self._ring = ring[0]
         self.depth = cfg.emulation.io_queue_depth
+        self.faults = FaultInjector(cfg)
         self._ops = self.ffi.new("struct chm_io[]", self.depth)
         self._done_buf = self.ffi.new("struct chm_done[]", 2 * self.depth)
-        self._queued: list[tuple[int, int, int, int, int, int]] = []  # (opcode, fd, len, offset, buf, token)
-        self._ops_of: dict[int, tuple[int, int, int, int, int]] = {}  # in-flight token -> op
-        self._results: dict[int, int] = {}  # completed token -> bytes
-        self._inflight = 0
+        self._queued: deque[int] = deque()  # tokens not yet in the ring
+        self._ops_of: dict[int, tuple[int, int, int, int, int]] = {}  # token -> (opcode, ssd, len, offset, buf), until complete
+        self._injected: deque[tuple[int, int]] = deque()  # (token, -errno) completions the fault hook made
+        self._results: dict[int, int | MediaIOError] = {}  # completed token -> bytes, or its error
+        self._inflight = 0  # operations in the ring
         self._next_token = 1
         self.bytes_read = self.bytes_written = 0
 
-    def _open_media(self, path: Path, capacity: int) -> int:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+    def _lock_media_dir(self):
+        where = str(self.media_dir)
         try:
-            fd = os.open(path, flags, 0o600)
+            self.media_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ChmError(errno.ENOTDIR, f"media path {where!r} exists and is not a directory") from None
+        except OSError as exc:
+            raise ChmError(exc.errno or errno.EIO, f"cannot create media directory {where!r}: {exc.strerror}") from None
+        if not self.media_dir.is_dir():
+            raise ChmError(errno.ENOTDIR, f"media path {where!r} is not a directory")
+        try:
+            lock = open(self.media_dir / ".chm.lock", "w")
+        except OSError as exc:
+            raise ChmError(exc.errno or errno.EIO, f"media directory {where!r} is not writable: {exc.strerror}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise ChmError(errno.EBUSY, f"media directory {where!r} is in use by another device") from None
+        return lock
+
+    def _open_media(self, path: Path) -> int:
+        flags = os.O_RDWR | getattr(os, "O_DIRECT", 0)
+        try:
+            return os.open(path, flags)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise ChmError(exc.errno, f"cannot open media file {str(path)!r}: {exc.strerror}") from None
-            # The file system refuses O_DIRECT (e.g. an old tmpfs): fall back, and say so.
-            warnings.warn(f"{path}: O_DIRECT not supported here, using buffered I/O", RuntimeWarning, stacklevel=3)
-            self.direct = False
-            fd = os.open(path, flags & ~getattr(os, "O_DIRECT", 0), 0o600)
-        size = os.fstat(fd).st_size
-        if size == 0:
-            os.ftruncate(fd, capacity)  # sparse: blocks are allocated only when written
-        elif size != capacity:
-            os.close(fd)
-            raise ChmError(errno.EINVAL, f"media file {str(path)!r} is {size} bytes but the profile's "
-                           f"ssd.capacity_bytes is {capacity}: wrong profile for this media directory?")
-        return fd
+        # The file system refuses O_DIRECT (e.g. an old tmpfs): fall back, and say so.
+        warnings.warn(f"{path}: O_DIRECT not supported here, using buffered I/O", RuntimeWarning, stacklevel=3)
+        self.direct = False
+        try:
+            return os.open(path, flags & ~getattr(os, "O_DIRECT", 0))
+        except OSError as exc:
+            raise ChmError(exc.errno, f"cannot open media file {str(path)!r}: {exc.strerror}") from None
 
     # ---- submission and completion -------------------------------------------
     def submit(self, opcode: int, ssd: int, offset: int, buf_addr: int, length: int) -> int:
@@ -109,21 +158,26 @@ class SsdBackend:
             raise ChmError(errno.EINVAL, f"unaligned media I/O: offset={offset} buf=0x{buf_addr:x} len={length}")
         token = self._next_token
         self._next_token += 1
-        self._queued.append((opcode, self.fds[ssd], length, offset, buf_addr, token))
+        self._ops_of[token] = (opcode, ssd, length, offset, buf_addr)
+        injected = self.faults.fails(opcode)
+        if injected:
+            self._injected.append((token, -injected))
+        else:
+            self._queued.append(token)
         return token
 
     def _push(self) -> None:
         """Move queued operations into the ring, as many as the queue depth allows."""
         while self._queued and self._inflight < self.depth:
             n = min(len(self._queued), self.depth - self._inflight)
-            for i, (opcode, fd, length, offset, buf, token) in enumerate(self._queued[:n]):
+            for i in range(n):
+                token = self._queued[i]
+                opcode, ssd, length, offset, buf = self._ops_of[token]
                 op = self._ops[i]
-                op.opcode, op.fd, op.len, op.offset, op.buf, op.user_data = opcode, fd, length, offset, buf, token
-                self._ops_of[token] = (opcode, fd, length, offset, buf)
+                op.opcode, op.fd, op.len, op.offset, op.buf, op.user_data = opcode, self.fds[ssd], length, offset, buf, token
             queued = self.lib.chm_ring_queue(self._ring, self._ops, n)
-            for _, _, _, _, _, token in self._queued[queued:n]:
-                del self._ops_of[token]
-            del self._queued[:queued]
+            for _ in range(queued):
+                self._queued.popleft()
             self._inflight += queued
             ret = self.lib.chm_ring_submit(self._ring)
             if ret < 0:
@@ -132,23 +186,36 @@ class SsdBackend:
                 break
 
     def _reap(self, wait_nr: int) -> None:
-        n = self.lib.chm_ring_reap(self._ring, self._done_buf, 2 * self.depth, wait_nr)
+        """Record completions; block for at least ``wait_nr`` only if none is at hand and the ring holds some."""
+        got = 0
+        while self._injected:
+            self._complete(*self._injected.popleft())
+            got += 1
+        if not self._inflight:
+            return
+        n = self.lib.chm_ring_reap(self._ring, self._done_buf, 2 * self.depth, 0 if got else min(wait_nr, self._inflight))
         if n < 0:
             raise ChmError(-n, f"io_uring wait failed: {os.strerror(-n)}")
-        for i in range(n):
-            token, res = self._done_buf[i].user_data, self._done_buf[i].res
-            self._inflight -= 1
-            opcode, fd, length, offset, buf = self._ops_of.pop(token)
-            if res < 0:
-                raise ChmError(errno.EIO, f"media {'write' if opcode else 'read'} of {length} bytes at offset {offset} "
-                               f"failed: {os.strerror(-res)}")
-            if res < length:  # short transfer: finish the rest synchronously
-                res += self._finish_short(opcode, fd, length - res, offset + res, buf + res)
-            if opcode == self.WRITE:
-                self.bytes_written += res
-            else:
-                self.bytes_read += res
-            self._results[token] = res
+        self._inflight -= n
+        for i in range(n):  # every completion is recorded; nothing here raises
+            self._complete(self._done_buf[i].user_data, self._done_buf[i].res)
+
+    def _complete(self, token: int, res: int) -> None:
+        opcode, ssd, length, offset, buf = self._ops_of.pop(token)
+        if 0 <= res < length:  # short transfer: finish the rest synchronously
+            try:
+                res += self._finish_short(opcode, self.fds[ssd], length - res, offset + res, buf + res)
+            except OSError as exc:
+                res = -(exc.errno or errno.EIO)
+        if res < 0:
+            self._results[token] = MediaIOError(-res, "write" if opcode == self.WRITE else "read", self.paths[ssd],
+                                                offset, length)
+            return
+        if opcode == self.WRITE:
+            self.bytes_written += res
+        else:
+            self.bytes_read += res
+        self._results[token] = res
 
     def _finish_short(self, opcode: int, fd: int, length: int, offset: int, buf: int) -> int:
         view = self.ffi.buffer(self.ffi.cast("char *", buf), length)
@@ -156,51 +223,66 @@ class SsdBackend:
         while done < length:
             chunk = memoryview(view)[done:]
             n = os.pwritev(fd, [chunk], offset + done) if opcode == self.WRITE else os.preadv(fd, [chunk], offset + done)
-            if n <= 0:
-                raise ChmError(errno.EIO, f"media transfer stopped short at offset {offset + done}")
+            if n <= 0:  # end of file: the media file is shorter than the device says (truncated)
+                raise OSError(errno.EIO, f"media transfer stopped short at offset {offset + done}")
             done += n
         return done
 
     def poll(self) -> None:
         """Submit what is queued and collect what has completed, without blocking."""
         self._push()
-        if self._inflight:
-            self._reap(0)
+        self._reap(0)
 
     def is_done(self, token: int) -> bool:
         return token in self._results
 
     def wait(self, token: int) -> int:
-        """Block until the operation behind ``token`` is complete; return its byte count."""
+        """Block until the operation behind ``token`` is complete; return its byte count, or raise
+        its MediaIOError (errno, file, offset, length)."""
         while token not in self._results:
-            self._push()
-            if token not in self._ops_of and not self._queued and token not in self._results:
+            if token not in self._ops_of:
                 raise ChmError(errno.EINVAL, f"unknown media I/O token {token}")
+            self._push()
             self._reap(1)
-        return self._results.pop(token)
+        res = self._results.pop(token)
+        if isinstance(res, MediaIOError):
+            raise res
+        return res
 
     def wait_all(self) -> None:
-        while self._queued or self._inflight:
+        """Until every submitted operation has completed (results stay for their waiters)."""
+        while self._queued or self._inflight or self._injected:
             self._push()
             self._reap(1)
 
     def sync(self) -> None:
         """Make everything written durable on the media files."""
         self.wait_all()
-        for fd in self.fds:
-            os.fdatasync(fd)
+        for fd, path in zip(self.fds, self.paths):
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                raise MediaIOError(exc.errno or errno.EIO, "fdatasync", path) from None
 
     def _close_files(self) -> None:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-        fcntl.flock(self._lock, fcntl.LOCK_UN)
-        self._lock.close()
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Sync and release the media; with ``clean`` (nothing was left unflushed) mark the shutdown clean.
+        Resources are released even when the sync fails; the failure is raised after."""
         if self._ring is None:
             return
-        self.sync()
-        self.lib.chm_ring_close(self._ring)
-        self._ring = None
-        self._close_files()
+        try:
+            self.sync()
+            if clean:
+                media.mark_clean(self.media_dir, self.meta)
+        finally:
+            self.lib.chm_ring_close(self._ring)
+            self._ring = None
+            self._close_files()

@@ -3,6 +3,7 @@ into its submission ring, which is what the validation tests need."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import socket
@@ -13,13 +14,14 @@ from driver.wire import ffi, lib, node_path, socket_path
 
 
 class RawClient:
-    def __init__(self, node: str, entries: int = 16, staging: int = 1 << 20):
+    def __init__(self, node: str, entries: int = 16, staging: int = 1 << 20, **attach_fields):
+        """``attach_fields``: more fields of struct chm_attach_req (prefetch_share_ppm, rsvd0)."""
         path = node_path(node)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(socket_path(Path(path))))
         req = ffi.new("struct chm_attach_req *", {"magic": lib.CHM_WIRE_MAGIC, "version": lib.CHM_WIRE_VERSION,
                                                   "sq_entries": entries, "cq_entries": entries,
-                                                  "staging_bytes": staging})
+                                                  "staging_bytes": staging, **attach_fields})
         self.sock.sendall(bytes(ffi.buffer(req)))
         msg, fds, _, _ = socket.recv_fds(self.sock, ffi.sizeof("struct chm_attach_resp"), 2)
         resp = ffi.cast("struct chm_attach_resp *", ffi.from_buffer(msg))
@@ -71,6 +73,15 @@ class RawClient:
             else:
                 time.sleep(0.0005)
         return out
+
+    def stats_json(self, user_data: int = 0) -> dict:
+        """The device's CHM_OP_STATS_JSON for this client (it overwrites the staging buffer from offset 0)."""
+        n = min(len(self.staging), 1 << 20)
+        self.push(user_data=user_data, opcode=lib.CHM_OP_STATS_JSON, len=n, buf_offset=0)
+        (_, res), = self.reap(1)
+        if res < 0:
+            raise OSError(-res, os.strerror(-res))
+        return json.loads(bytes(self.staging[:res]))
 
     def close(self) -> None:
         self.staging.release()

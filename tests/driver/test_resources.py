@@ -1,0 +1,147 @@
+"""The device process under resource exhaustion: file descriptors, connection
+floods, a full /dev/shm, and startup failures. It must never die of them, and
+never leave its node and socket behind."""
+
+import errno
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from driver.wire import ffi, lib
+from tests.driver.rawclient import RawClient
+from tests.driver.serving import ROOT, Server, unique_node
+
+FLOOD = 150
+MAX_PENDING_ATTACHES = 64  # driver/server.py; restated here as the number this test holds the device to
+
+
+def flood(sock_path: str, n: int) -> list[socket.socket]:
+    """Open n connections that never send anything (those the backlog refuses are dropped)."""
+    conns = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            s.connect(sock_path)
+        except (BlockingIOError, ConnectionRefusedError):
+            s.close()
+            time.sleep(0.002)  # the listen backlog is full: let the device take some
+            continue
+        except FileNotFoundError:  # the socket is gone: the device died
+            s.close()
+            break
+        conns.append(s)
+    return conns
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def attaches(node: str) -> None:
+    c = RawClient(node)
+    assert c.status == 0
+    c.push(user_data=1, opcode=lib.CHM_OP_NOP)
+    assert c.reap(1) == [(1, 0)]
+    c.close()
+
+
+def test_running_out_of_fds_does_not_kill_the_device(tmp_path):
+    """The defect: under `prlimit --nofile`, silent connections made accept() fail with EMFILE, uncaught."""
+    with Server(tmp_path / "media") as srv:
+        base = open_fds(srv.proc.pid)
+        spare = 6  # enough for one attach (its connection and queue pair memfd), far fewer than the flood
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (base + spare, base + spare))  # prlimit --nofile
+        conns = flood(f"{srv.path}.sock", FLOOD)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None, srv.proc.stderr.read()
+        # Connections shed for want of an fd were told why before being closed.
+        shed = 0
+        for s in conns:
+            try:
+                msg = s.recv(ffi.sizeof("struct chm_attach_resp"))
+            except BlockingIOError:
+                continue
+            if msg:
+                assert ffi.cast("struct chm_attach_resp *", ffi.from_buffer(msg)).status == -errno.EMFILE
+                shed += 1
+        assert shed > 0
+        for s in conns:
+            s.close()
+        deadline = time.monotonic() + 10
+        while open_fds(srv.proc.pid) > base and time.monotonic() < deadline:  # the device notices the closes
+            time.sleep(0.05)
+        attaches(srv.node)
+        rc, _, err = srv.stop()
+    assert rc == 0, err
+    assert "out of file descriptors" in err
+    assert err.count("out of file descriptors") <= 2  # rate-limited, not once per connection
+
+
+def test_half_open_attaches_are_capped(tmp_path):
+    with Server(tmp_path / "media") as srv:
+        before = open_fds(srv.proc.pid)
+        conns = flood(f"{srv.path}.sock", FLOOD)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None
+        held = open_fds(srv.proc.pid) - before
+        assert held <= MAX_PENDING_ATTACHES, f"{held} connections held open for {len(conns)} silent ones"
+        for s in conns:
+            s.close()
+        time.sleep(0.2)
+        attaches(srv.node)
+        rc, _, err = srv.stop()
+    assert rc == 0, err
+    assert f"{MAX_PENDING_ATTACHES} attach requests are already pending" in err
+
+
+def test_startup_failure_leaves_no_node(tmp_path):
+    media = tmp_path / "not-a-directory"
+    media.write_text("")
+    node = unique_node("fail")
+    srv = Server(media, node, wait=False)
+    out, err = srv.proc.communicate(timeout=60)
+    assert srv.proc.returncode == 1, err
+    assert "chm serve: error:" in err and "Traceback" not in err
+    assert not srv.path.exists() and not Path(f"{srv.path}.sock").exists()
+
+
+def test_sigint_removes_node_and_socket(tmp_path):
+    with Server(tmp_path / "media") as srv:
+        attaches(srv.node)
+        rc, out, err = srv.stop(signal.SIGINT)
+    assert rc == 0, err
+    assert not srv.path.exists() and not Path(f"{srv.path}.sock").exists()
+
+
+def _can_mount_private_shm() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_private_shm(), reason="needs root and mount namespaces (unshare -m)")
+def test_a_full_dev_shm_is_a_clean_error(tmp_path):
+    """The defect: with /dev/shm full the device died of SIGBUS, silently, leaving node and socket."""
+    node = unique_node("full")
+    script = (
+        "mount -t tmpfs -o size=1m tmpfs /dev/shm && "
+        "(dd if=/dev/zero of=/dev/shm/fill bs=64k >/dev/null 2>&1; true) && "
+        f'"$0" -m driver.serve --node {node} --media {tmp_path / "media"}; '
+        "echo status=$?; ls /dev/shm"
+    )
+    run = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert "status=1\n" in run.stdout, (run.stdout, run.stderr)
+    assert run.stderr.startswith("chm serve: error:"), run.stderr
+    assert f"cannot set up device node /dev/shm/{node}: No space left on device" in run.stderr
+    assert run.stdout.split("status=1", 1)[1].split() == ["fill"]  # no node, no socket left
