@@ -16,7 +16,13 @@ class ChmError(Exception):
 
 
 class WriteBufferFull(ChmError):
-    """The write buffer had no room: nothing was written; retry later (EAGAIN)."""
+    """The write buffer had no room; retry later (EAGAIN).
 
-    def __init__(self, message: str):
+    ``written`` is the byte count written before the refusal: 0 for one
+    command (admitted whole or not at all); for a write split into commands
+    (libchm, larger than its staging buffer) the parts before the refused one
+    stay written, and ``written`` says how many bytes they hold."""
+
+    def __init__(self, message: str, written: int = 0):
         super().__init__(_errno.EAGAIN, message)
+        self.written = written

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import errno
 import json
+import math
+import numbers
+import operator
 import os
 from pathlib import Path
 
 from driver.errors import ChmError, WriteBufferFull
 from driver.native import load_or_build
+from driver.wire import lib as wire
 
 __all__ = ["Device", "ChmError", "WriteBufferFull"]
 
@@ -32,39 +36,102 @@ def _build() -> None:
 _mod = load_or_build(f"{__name__}._chm", _build, Path(__file__).with_name("ffi_build.lock"))
 ffi, lib = _mod.ffi, _mod.lib
 STATS_JSON_BYTES = 1 << 16
+DEVICE_EXPLAINS = frozenset((errno.EBUSY, errno.ENOSPC, errno.EIO))  # errors whose device message is fetched
+HANDLE_MAX = 2**63 - 1         # chm_req is an int64_t
+TIMEOUT_MS_MAX = 2**31 - 1     # chm_prefetch_wait takes an int
 
 
-def _raise(ret: int, what: str):
+def _raise(ret: int, what: str, written: int = 0):
     err = -ret
     message = f"{what}: {ffi.string(lib.chm_strerror(ret)).decode()}"
     if err == errno.EAGAIN:
-        raise WriteBufferFull(message)
+        raise WriteBufferFull(message, written)
     raise ChmError(err, message)
 
 
-def _check_int(name: str, value, positive: bool = False) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ChmError(errno.EINVAL, f"{name} {value!r} must be an integer")
-    if value < 0 or (positive and value == 0):
-        raise ChmError(errno.ERANGE if name == "address" else errno.EINVAL,
-                       f"{name} {value!r} must be {'> 0' if positive else '>= 0'}")
-    return value
+def _integer(name: str, value) -> int:
+    """``value`` as an int (operator.index: no floats, no bools), else EINVAL naming it."""
+    if isinstance(value, bool):
+        raise ChmError(errno.EINVAL, f"{name} {value!r} must be an integer, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ChmError(errno.EINVAL, f"{name} {value!r} must be an integer, not {type(value).__name__}") from None
+
+
+def _in_range(name: str, value, low: int, high: int, err: int = errno.EINVAL) -> int:
+    v = _integer(name, value)
+    if not low <= v <= high:
+        raise ChmError(err, f"{name} {v} is outside the allowed range [{low}, {high}]")
+    return v
+
+
+def _real(name: str, value) -> float:
+    """``value`` as a float (any real number but a bool), else EINVAL naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ChmError(errno.EINVAL, f"{name} {value!r} must be a number, not {type(value).__name__}")
+    return float(value)
+
+
+def _open_opts(staging_bytes, queue_entries, prefetch_share):
+    """The chm_open_opts of Device(): every field checked here first, named in the error."""
+    staging = _integer("staging_bytes", staging_bytes)
+    if staging != 0 and not 1 <= staging <= wire.CHM_MAX_STAGING_BYTES:
+        raise ChmError(errno.EINVAL, f"staging_bytes {staging} is outside the allowed range: 0 (the default) "
+                                     f"or [1, {wire.CHM_MAX_STAGING_BYTES}]")
+    entries = _integer("queue_entries", queue_entries)
+    if entries != 0 and not (wire.CHM_MIN_ENTRIES <= entries <= wire.CHM_MAX_ENTRIES and entries & (entries - 1) == 0):
+        raise ChmError(errno.EINVAL, f"queue_entries {entries} is outside the allowed range: 0 (the default) or a "
+                                     f"power of two in [{wire.CHM_MIN_ENTRIES}, {wire.CHM_MAX_ENTRIES}]")
+    share = 0.0
+    if prefetch_share is not None:
+        share = _real("prefetch_share", prefetch_share)
+        if not 0 < share <= 1:  # NaN fails too
+            raise ChmError(errno.EINVAL, f"prefetch_share {prefetch_share!r} is outside the allowed range: "
+                                         "None (the device default) or (0, 1]")
+    return ffi.new("struct chm_open_opts *", {"size": ffi.sizeof("struct chm_open_opts"), "staging_bytes": staging,
+                                              "queue_entries": entries, "prefetch_share": share})
 
 
 class Device:
-    def __init__(self, node: str | os.PathLike | None = None, staging_bytes: int = 0, queue_entries: int = 0):
-        """Attach to the device served at ``node`` (``chm0``, a path, or None for $CHM_DEVICE)."""
-        opts = ffi.new("struct chm_open_opts *", {"size": ffi.sizeof("struct chm_open_opts"),
-                                                   "staging_bytes": staging_bytes, "queue_entries": queue_entries})
+    def __init__(self, node: str | os.PathLike | None = None, staging_bytes: int = 0, queue_entries: int = 0,
+                 prefetch_share: float | None = None):
+        """Attach to the device served at ``node`` (``chm0``, a path, or None for $CHM_DEVICE).
+
+        ``staging_bytes`` (0: 16 MiB or $CHM_STAGING_BYTES) and ``queue_entries`` (0: 64) size this
+        handle's queue pair; ``prefetch_share`` is its share of the device's prefetch window, in (0, 1]
+        (None: the device's ``policy.prefetch_client_share``)."""
+        self._dev = None
+        opts = _open_opts(staging_bytes, queue_entries, prefetch_share)
+        self.node, path = None, ffi.NULL
+        if node is not None:
+            try:
+                self.node = os.fspath(node)
+                path = self.node.encode()
+            except (TypeError, UnicodeEncodeError):
+                raise ChmError(errno.EINVAL, f"node {node!r} must be a device name, a path or None") from None
+            if b"\0" in path:
+                raise ChmError(errno.EINVAL, f"node {node!r} must not contain a NUL byte")
         out = ffi.new("chm_dev **")
-        self.node = None if node is None else os.fspath(node)
-        ret = lib.chm_open_opts(ffi.NULL if node is None else self.node.encode(), opts, out)
+        ret = lib.chm_open_opts(path, opts, out)
         if ret < 0:
-            _raise(ret, f"cannot open device {self.node or os.environ.get('CHM_DEVICE', 'chm0')!r}")
+            what = f"cannot open device {self.node or os.environ.get('CHM_DEVICE', 'chm0')!r}"
+            if ret == -errno.EINVAL:  # the options were checked above: the node name or the environment
+                what += (f" (node name, or $CHM_STAGING_BYTES={os.environ.get('CHM_STAGING_BYTES')!r}"
+                         f" / $CHM_SPIN_US={os.environ.get('CHM_SPIN_US')!r} outside their ranges)")
+            _raise(ret, what)
         self._dev = out[0]
-        size = ffi.new("size_t *")
-        self._staging = ffi.buffer(lib.chm_buffer(self._dev, size), size[0])
         self._info = ffi.new("struct chm_info *")
+        info = self.info()
+        self._capacity, self._staging_bytes = info["capacity_bytes"], info["staging_bytes"]
+        self._last_latency_ns = 0
+        # Views of the staging buffer (buffer()) hold a reference to its mapping: close() detaches
+        # from the device at once, the mapping goes with the last view, so no view ever faults.
+        size = ffi.new("size_t *")
+        mapping = lib.chm_mapping_get(self._dev)
+        base = ffi.cast("char *", lib.chm_buffer(self._dev, size))
+        base = ffi.gc(base, lambda _base, mapping=mapping, put=lib.chm_mapping_put: put(mapping))
+        self._staging = ffi.buffer(base, size[0])
 
     @classmethod
     def open(cls, node: str | os.PathLike | None = None, **kwargs) -> "Device":
@@ -79,81 +146,124 @@ class Device:
 
     @property
     def last_latency_ns(self) -> int:
-        """Modelled device latency of the last call."""
-        return lib.chm_last_latency_ns(self.dev)
+        """Modelled device latency of the last call (of all its commands, for a split write)."""
+        self.dev  # ENODEV once closed
+        return self._last_latency_ns
+
+    def _finish(self, ret: int, what: str) -> int:
+        """After one libchm call: keep its latency, raise its error."""
+        self._last_latency_ns = lib.chm_last_latency_ns(self._dev)
+        if ret < 0:
+            _raise(ret, what + self._device_says(-ret))
+        return ret
+
+    def _device_says(self, err: int) -> str:
+        """The device's own message for an error the wire carries only as an errno: which limit (EBUSY),
+        which file (ENOSPC, EIO). One more round trip, on these rare errors only."""
+        if err not in DEVICE_EXPLAINS or self._dev is None:
+            return ""
+        buf = ffi.new("char[]", STATS_JSON_BYTES)
+        ret = lib.chm_stats_json(self._dev, buf, STATS_JSON_BYTES)
+        message = json.loads(ffi.string(buf, ret)).get("last_error") if ret > 0 else None
+        return f" (device: {message})" if message else ""
 
     def buffer(self) -> memoryview:
-        """The staging buffer shared with the device: ``read_into``/``write`` from a slice of it copy nothing extra."""
+        """The staging buffer shared with the device: ``read_into``/``write`` from a slice of it copy nothing extra.
+
+        A view stays valid after close() (and after this object is gone), but is then detached:
+        bytes stored in it reach nothing. ChmError(ENODEV) once closed."""
+        self.dev  # ENODEV once closed
         return memoryview(self._staging)
+
+    def _address(self, addr) -> int:
+        return _in_range("address", addr, 0, self._capacity - 1, errno.ERANGE)
+
+    def _length(self, name: str, length, addr: int) -> int:
+        """A byte count at ``addr``: EINVAL if not positive, ERANGE past the device's end."""
+        n = _integer(name, length)
+        if n < 1:
+            raise ChmError(errno.EINVAL, f"{name} {n} must be a positive integer")
+        if n > self._capacity - addr:
+            raise ChmError(errno.ERANGE, f"{name} {n} at address {addr} is outside the allowed range "
+                                         f"[1, {self._capacity - addr}] (device capacity {self._capacity})")
+        return n
 
     # ---- the API (emulator.Device's) -------------------------------------------
     def write(self, addr: int, data) -> int:
-        """Write bytes-like ``data`` at ``addr``; returns the byte count.
+        """Write bytes-like ``data`` at ``addr``; returns its length.
 
-        Raises WriteBufferFull (EAGAIN) with nothing written when refused."""
-        _check_int("address", addr)
+        Raises WriteBufferFull (EAGAIN) when refused. One command is admitted whole or not at all;
+        data larger than the staging buffer goes as several, and if one is refused the ones before
+        it stay written: ``exc.written`` counts their bytes (0: nothing written)."""
+        addr = self._address(addr)
         try:
             src = ffi.from_buffer(data)
         except TypeError:
             raise ChmError(errno.EINVAL, f"data must be bytes-like, not {type(data).__name__}") from None
-        if len(src) == 0:
-            raise ChmError(errno.EINVAL, "length 0 must be a positive integer")
-        ret = lib.chm_write(self.dev, addr, src, len(src))
-        if ret < 0:
-            _raise(ret, f"write of {len(src)} bytes at {addr}")
-        return ret
+        total = self._length("data length", len(src), addr)
+        dev = self.dev
+        # Split here, one command per staging-buffer load (libchm would split the same way, but a
+        # refused part would come back as a short count without its errno).
+        done = latency = 0
+        while done < total:
+            part = min(total - done, self._staging_bytes)
+            ret = lib.chm_write(dev, addr + done, src + done, part)
+            latency += lib.chm_last_latency_ns(dev)
+            self._last_latency_ns = latency
+            if ret < 0:
+                what = f"write of {total} bytes at {addr}"
+                if done:
+                    what += f" (the first {done} bytes written)"
+                _raise(ret, what + self._device_says(-ret), done)
+            done += part
+        return total
 
     def read(self, addr: int, length: int) -> bytes:
-        out = bytearray(_check_int("length", length, positive=True))
+        """``length`` bytes at ``addr``."""
+        addr = self._address(addr)
+        out = bytearray(self._length("length", length, addr))  # checked first: never a huge allocation
         self.read_into(addr, out)
         return bytes(out)
 
     def read_into(self, addr: int, buf) -> int:
         """Read ``len(buf)`` bytes at ``addr`` into a writable buffer (a slice of ``buffer()``: zero-copy)."""
-        _check_int("address", addr)
-        dst = ffi.from_buffer(buf, require_writable=True)
-        if len(dst) == 0:
-            raise ChmError(errno.EINVAL, "length 0 must be a positive integer")
-        ret = lib.chm_read(self.dev, addr, dst, len(dst))
-        if ret < 0:
-            _raise(ret, f"read of {len(dst)} bytes at {addr}")
-        return ret
+        addr = self._address(addr)
+        try:
+            dst = ffi.from_buffer(buf, require_writable=True)
+        except (TypeError, BufferError):  # not a buffer; a read-only one
+            raise ChmError(errno.EINVAL, f"buf must be a writable bytes-like object, not {type(buf).__name__}") \
+                from None
+        n = self._length("buffer length", len(dst), addr)
+        return self._finish(lib.chm_read(self.dev, addr, dst, n), f"read of {n} bytes at {addr}")
 
     def prefetch(self, addr: int, size: int) -> int:
-        _check_int("address", addr)
-        _check_int("size", size, positive=True)
-        ret = lib.chm_prefetch_object(self.dev, addr, size)
-        if ret < 0:
-            _raise(ret, f"prefetch of {size} bytes at {addr}")
-        return ret
+        addr = self._address(addr)
+        size = self._length("size", size, addr)
+        return self._finish(lib.chm_prefetch_object(self.dev, addr, size), f"prefetch of {size} bytes at {addr}")
 
     def wait(self, req: int, timeout_ms: float | None = None) -> None:
-        """Until prefetch ``req`` is staged; ``timeout_ms`` bounds it (whole ms, modelled time)."""
-        if timeout_ms is not None and (not isinstance(timeout_ms, (int, float)) or isinstance(timeout_ms, bool)
-                                       or timeout_ms < 0 or timeout_ms > 2**31 - 1):
-            raise ChmError(errno.EINVAL, f"timeout_ms {timeout_ms!r} must be None or a number in [0, {2**31 - 1}]")
-        _check_int("prefetch handle", req)
-        ret = lib.chm_prefetch_wait(self.dev, req, -1 if timeout_ms is None else int(timeout_ms))
-        if ret < 0:
-            _raise(ret, f"wait for prefetch handle {req}")
+        """Until prefetch ``req`` is staged; ``timeout_ms`` bounds it (modelled time, rounded up to whole ms)."""
+        req = _in_range("prefetch handle", req, 1, HANDLE_MAX)
+        timeout = -1
+        if timeout_ms is not None:
+            t = _real("timeout_ms", timeout_ms)
+            if not 0 <= t <= TIMEOUT_MS_MAX:  # NaN fails too
+                raise ChmError(errno.EINVAL, f"timeout_ms {timeout_ms!r} is outside the allowed range: "
+                                             f"None (no bound) or [0, {TIMEOUT_MS_MAX}]")
+            timeout = math.ceil(t)
+        self._finish(lib.chm_prefetch_wait(self.dev, req, timeout), f"wait for prefetch handle {req}")
 
     def release(self, req: int) -> None:
-        _check_int("prefetch handle", req)
-        ret = lib.chm_prefetch_release(self.dev, req)
-        if ret < 0:
-            _raise(ret, f"release of prefetch handle {req}")
+        req = _in_range("prefetch handle", req, 1, HANDLE_MAX)
+        self._finish(lib.chm_prefetch_release(self.dev, req), f"release of prefetch handle {req}")
 
     def flush(self) -> None:
-        ret = lib.chm_flush(self.dev)
-        if ret < 0:
-            _raise(ret, "flush")
+        self._finish(lib.chm_flush(self.dev), "flush")
 
     def stats(self) -> dict:
         """Every counter the device keeps (as ``emulator.Device.stats``), this handle's ``clock_ns`` and ``clients``."""
         buf = ffi.new("char[]", STATS_JSON_BYTES)
-        ret = lib.chm_stats_json(self.dev, buf, STATS_JSON_BYTES)
-        if ret < 0:
-            _raise(ret, "stats")
+        ret = self._finish(lib.chm_stats_json(self.dev, buf, STATS_JSON_BYTES), "stats")
         return json.loads(ffi.string(buf, ret))
 
     def info(self) -> dict:
@@ -174,12 +284,14 @@ class Device:
             "staging_bytes": i.staging_bytes,
             "clients": i.clients,
             "server_pid": i.server_pid,
+            "device_epoch": i.device_epoch,
         }
 
     def close(self) -> None:
+        """Detach from the device. Views from buffer() stay readable and writable, detached."""
         dev, self._dev = getattr(self, "_dev", None), None
         if dev is not None:
-            self._staging = None
+            self._staging = None  # our reference to the mapping; views keep theirs
             lib.chm_close(dev)
 
     def __enter__(self) -> "Device":

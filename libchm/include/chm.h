@@ -17,6 +17,11 @@
  *   -EBUSY      prefetch window full; or a synchronous call while
  *               asynchronous commands are in flight
  *   -EFAULT     a staging range outside the device's buffer
+ *   -ENOSPC     the media are full: a flush could not write dirty pages, so
+ *               writes are refused until space returns (also: a result
+ *               larger than the caller's buffer, chm_stats_json)
+ *   -EIO        a media read or write failed, or the device failed internally
+ *   -EBADF      the handle was closed (chm_close) already; best effort, see chm_close
  *
  * Threads: a chm_dev is NOT thread-safe. Like an SPDK queue pair it belongs
  * to one thread at a time and takes no locks; open one chm_dev per thread
@@ -93,63 +98,100 @@ struct chm_completion {
 /* Open the device node at path ("chm0" means /dev/shm/chm0; a path with a
  * '/' is used as is; NULL: $CHM_DEVICE, else "chm0"). Returns 0, -ENODEV if
  * no live device is there, -EPROTO on a wire version mismatch, -EINVAL for a
- * bad name or option, -ENOMEM, or another -errno of the attach. */
+ * bad name or option (one outside the range its field names, e.g. a
+ * prefetch_share not 0 nor in (0, 1]), -ENOMEM, or another -errno of the
+ * attach. An older caller's smaller opts (its .size) takes the defaults for
+ * the fields it lacks. */
 int     chm_open(const char *path, chm_dev **dev);
 int     chm_open_opts(const char *path, const struct chm_open_opts *opts, chm_dev **dev);
-/* Detach: the device releases this handle's prefetch handles. NULL is fine. */
+/* Detach: the device releases this handle's prefetch handles, and the
+ * queue pair and staging buffer (chm_buffer) are unmapped (unless an FFI
+ * reference holds them, see chm_mapping_get). NULL is fine.
+ * Closing a closed handle is undefined, like free(): the library detects it
+ * where cheap (a double chm_close does nothing, any other call on a closed
+ * handle returns -EBADF, chm_buffer NULL, chm_last_latency_ns 0), but only
+ * best effort -- once the freed memory is reused the handle may look open. */
 void    chm_close(chm_dev *dev);
-/* Fill *info (no device round trip; clients is read live). 0 or -EINVAL. */
+/* Fill *info (no device round trip; clients is read live). 0, -EINVAL, -EBADF. */
 int     chm_get_info(chm_dev *dev, struct chm_info *info);
 
 /* Read len bytes at addr into buf. Returns len, or -ERANGE (outside the
- * device), -EINVAL (len 0, NULL), -ENODEV (device gone). If buf lies inside
+ * device), -EINVAL (len 0, NULL), -ENODEV (device gone), -EIO (a media read
+ * failed), -EBUSY (asynchronous commands in flight), -EBADF. If buf lies inside
  * chm_buffer() the device copies straight into it (zero-copy); otherwise the
  * bytes pass through the staging buffer (larger reads are pipelined). */
 ssize_t chm_read(chm_dev *dev, chm_addr addr, void *buf, size_t len);
 /* Write len bytes from buf at addr. Returns len; -EAGAIN if the write buffer
- * refused it (nothing written); -ERANGE, -EINVAL, -ENODEV. A write larger
- * than the staging buffer is split: if a later part is refused the return is
- * the byte count written before it (a short write). Zero-copy from
- * chm_buffer() as for chm_read. */
+ * refused it (nothing written); -ENOSPC while the media are full after a
+ * flush failed (nothing written; refused until space returns); -EIO on a
+ * media failure; -ERANGE, -EINVAL, -ENODEV, -EBUSY, -EBADF. A write larger
+ * than the staging buffer is split into one command per buffer load: if a
+ * later part is refused the parts before it stay written and the return is
+ * their byte count (a short write, as write(2)); write the rest again to
+ * learn why. Zero-copy from chm_buffer() as for chm_read. */
 ssize_t chm_write(chm_dev *dev, chm_addr addr, const void *buf, size_t len);
-/* Drain the write buffer to the media. 0, -ENODEV. */
+/* Drain the write buffer to the media. 0; -ENOSPC or -EIO when pages could
+ * not be written (they stay dirty and are retried); -ENODEV, -EBUSY, -EBADF. */
 int     chm_flush(chm_dev *dev);
 
 /* Stage [addr, addr+size) in device DRAM. Returns a handle (> 0), -EBUSY
- * (prefetch window full), -ERANGE, -EINVAL (size 0, or larger than the window). */
+ * (the device's prefetch window or its handles are all held, or this handle's
+ * prefetch_share of them is; "last_error" in chm_stats_json says which),
+ * -ERANGE, -EINVAL (size 0, or larger than the window or this handle's
+ * share of it), -ENODEV, -EBADF. */
 chm_req chm_prefetch_object(chm_dev *dev, chm_addr addr, size_t size);
 /* Until the object is staged. timeout_ms < 0 waits as long as it takes (in
- * modelled time). 0, -ETIMEDOUT, -EINVAL (unknown, released or another
- * handle's request). */
+ * modelled time). 0, -ETIMEDOUT, -EIO (a media read of the object failed),
+ * -EINVAL (unknown, released or another handle's request), -ENODEV, -EBADF. */
 int     chm_prefetch_wait(chm_dev *dev, chm_req req, int timeout_ms);
-/* Let the device reuse the object's frames. 0, -EINVAL (unknown or released). */
+/* Let the device reuse the object's frames. 0, -EINVAL (unknown or
+ * released), -ENODEV, -EBADF. */
 int     chm_prefetch_release(chm_dev *dev, chm_req req);
-/* Device counters and this handle's clock. 0, -EINVAL, -ENODEV. */
+/* Device counters and this handle's clock. 0, -EINVAL, -ENODEV, -EBADF. */
 int     chm_get_stats(chm_dev *dev, struct chm_stats *stats);
-/* Text of a (negative or positive) errno value returned by libchm. */
+/* Text of a (negative or positive) errno value returned by libchm (never NULL). */
 const char *chm_strerror(int err);
 
 /* ---- beyond the core -------------------------------------------------------- */
 
 /* The registered staging buffer shared with the device; *len gets its size.
- * Reads and writes from/to inside it move no extra copy. NULL if dev is NULL. */
+ * Reads and writes from/to inside it move no extra copy. NULL if dev is NULL
+ * or closed. It is unmapped by chm_close (see FFI support below). */
 void   *chm_buffer(chm_dev *dev, size_t *len);
-/* Modelled device latency of the last synchronous command, in ns. */
+/* Modelled device latency of the last synchronous command, in ns (0 if dev
+ * is NULL or closed). */
 uint64_t chm_last_latency_ns(chm_dev *dev);
 /* Stats as JSON text (every counter the device keeps) into buf; returns its
- * length, -ENOSPC if len is too small, -EINVAL, -ENODEV. */
+ * length, -ENOSPC if len is too small, -EINVAL, -ENODEV, -EBUSY, -EBADF. */
 ssize_t chm_stats_json(chm_dev *dev, char *buf, size_t len);
 
 /* Asynchronous commands: buf must lie inside chm_buffer(). Up to the queue
  * depth may be in flight; completions come back in submission order via
  * chm_reap. Returns 0, -EFAULT (buf outside the buffer), -EBUSY (queue
- * full), -EINVAL, -ENODEV. While any is in flight the synchronous calls
- * return -EBUSY. */
+ * full), -EINVAL, -ERANGE, -ENODEV, -EBADF. While any is in flight the
+ * synchronous calls return -EBUSY. A completion's res may be -EAGAIN,
+ * -ENOSPC or -EIO as for chm_write, or -EIO as for chm_read. */
 int     chm_submit_read(chm_dev *dev, chm_addr addr, void *buf, size_t len, uint64_t user_data);
 int     chm_submit_write(chm_dev *dev, chm_addr addr, const void *buf, size_t len, uint64_t user_data);
 /* Take up to max completions, waiting until at least min_wait are there.
- * Returns the count, -EINVAL (min_wait > max or more than in flight), -ENODEV. */
+ * Returns the count, -EINVAL (min_wait > max or more than in flight), -ENODEV, -EBADF. */
 int     chm_reap(chm_dev *dev, struct chm_completion *out, unsigned max, unsigned min_wait);
+
+/* ---- FFI support ------------------------------------------------------------
+ * For language bindings (cffi, ctypes) whose views of chm_buffer() can outlive
+ * the handle, e.g. a Python memoryview kept after close(). C programs need
+ * none of this. */
+
+typedef struct chm_mapping chm_mapping;   /* the mapping that holds chm_buffer() */
+/* A counted reference to dev's staging buffer mapping: it stays mapped until
+ * chm_close has run and every reference is put, so a view of it never faults.
+ * After chm_close the device no longer reads or writes it: bytes stored there
+ * reach nothing. NULL if dev is NULL or closed. */
+chm_mapping *chm_mapping_get(chm_dev *dev);
+/* Drop a reference from chm_mapping_get; the last one unmaps. NULL is fine.
+ * Unlike the rest of the API it may be called from any thread (a binding's
+ * garbage collector): the count is atomic. */
+void    chm_mapping_put(chm_mapping *map);
 /* ---- cdef end ---- */
 
 #ifdef __cplusplus

@@ -22,6 +22,7 @@
 #define DEFAULT_STAGING (16u << 20)
 #define DEFAULT_ENTRIES 64u
 #define DEFAULT_SPIN_US 50u
+#define MAX_SPIN_US 1000000u
 #ifndef PIPE_CHUNK
 #define PIPE_CHUNK (2u << 20)            /* copy-path reads move in chunks of this, */
 #endif
@@ -29,13 +30,23 @@
 #define PIPE_SLOTS 2u                    /* this many in flight */
 #endif
 #define LIVENESS_CHECK_NS 100000000ull   /* while asleep, look whether the server is still there this often */
+/* chm_dev.magic while the handle is open, and after chm_close poisoned it. */
+#define DEV_OPEN_MAGIC 0x43484d2d4f50454eull   /* "CHM-OPEN" */
+#define DEV_CLOSED_MAGIC 0x43484d2d53485554ull /* "CHM-SHUT": any value but the open one */
+
+/* The queue pair mapping (rings, stats slot, staging buffer), counted: the
+ * handle holds one reference, each chm_mapping_get another (FFI support). */
+struct chm_mapping {
+    void *base;
+    size_t len;
+    unsigned refs;
+};
 
 struct chm_dev {
     int sock;                      /* control connection: its EOF detaches us */
     int evfd;                      /* the server's doorbell */
     struct chm_node *node;         /* read-only */
-    void *qp;
-    size_t qp_len;
+    struct chm_mapping *qp;        /* the queue pair; NULL until mapped */
     struct chm_qp_hdr *hdr;
     struct chm_sqe *sq;
     struct chm_cqe *cq;
@@ -50,7 +61,34 @@ struct chm_dev {
     uint64_t seq;
     uint64_t last_latency_ns;
     int dead;
+    /* Last, far from the first 16 bytes, which free() overwrites with its list links:
+     * so a closed handle still reads DEV_CLOSED_MAGIC until the memory is reused. */
+    uint64_t magic;
 };
+
+/* An open handle, as far as can be told cheaply (best effort: a closed handle's
+ * memory may be reused by another allocation, even another chm_dev). */
+static int dev_is_open(const chm_dev *d)
+{
+    return d->magic == DEV_OPEN_MAGIC;
+}
+
+/* Every entry point but chm_close starts with this: NULL is -EINVAL, closed -EBADF. */
+#define CHECK_DEV(d)                     \
+    do {                                 \
+        if (!(d))                        \
+            return -EINVAL;              \
+        if (!dev_is_open(d))             \
+            return -EBADF;               \
+    } while (0)
+
+static void mapping_put(struct chm_mapping *m)
+{
+    if (m && __atomic_sub_fetch(&m->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        munmap(m->base, m->len);
+        free(m);
+    }
+}
 
 /* ---- opening -------------------------------------------------------------------- */
 
@@ -120,11 +158,12 @@ static int connect_server(const char *node_path)
 }
 
 /* The attach handshake: request out, response and two fds (queue pair, doorbell) in. */
-static int attach(chm_dev *d, uint32_t entries, uint64_t staging, int *qp_fd, uint64_t *qp_bytes)
+static int attach(chm_dev *d, uint32_t entries, uint64_t staging, uint32_t share_ppm, int *qp_fd, uint64_t *qp_bytes)
 {
     struct chm_attach_req req = {
         .magic = CHM_WIRE_MAGIC, .version = CHM_WIRE_VERSION,
         .sq_entries = entries, .cq_entries = entries, .staging_bytes = staging,
+        .prefetch_share_ppm = share_ppm, .rsvd0 = 0,
     };
     if (send(d->sock, &req, sizeof(req), MSG_NOSIGNAL) != (ssize_t)sizeof(req))
         return -ENODEV;
@@ -161,11 +200,16 @@ static int map_qp(chm_dev *d, int fd, uint64_t qp_bytes)
     struct stat st;
     if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != qp_bytes || qp_bytes < sizeof(struct chm_qp_hdr))
         return -EPROTO;
+    struct chm_mapping *map = calloc(1, sizeof(*map));
+    if (!map)
+        return -ENOMEM;
     void *m = mmap(NULL, qp_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (m == MAP_FAILED)
+    if (m == MAP_FAILED) {
+        free(map);
         return -errno;
-    d->qp = m;
-    d->qp_len = qp_bytes;
+    }
+    *map = (struct chm_mapping){ .base = m, .len = qp_bytes, .refs = 1 };
+    d->qp = map;
     struct chm_qp_hdr *h = d->hdr = m;
     if (chm_load_acquire(&h->magic) != CHM_QP_MAGIC || h->version != CHM_WIRE_VERSION ||
         h->total_bytes != qp_bytes || h->staging_offset + h->staging_bytes > qp_bytes ||
@@ -187,18 +231,34 @@ int chm_open_opts(const char *path, const struct chm_open_opts *opts, chm_dev **
     if (!dev)
         return -EINVAL;
     *dev = NULL;
+    /* Fields an older caller's opts->size does not wholly cover stay 0: the defaults. */
     struct chm_open_opts o = { 0 };
     if (opts) {
         if (opts->size < offsetof(struct chm_open_opts, spin_us) || opts->size > 4096)
             return -EINVAL;
         memcpy(&o, opts, opts->size < sizeof(o) ? opts->size : sizeof(o));
+#define OPT_GIVEN(field) (opts->size >= offsetof(struct chm_open_opts, field) + sizeof(o.field))
+        if (!OPT_GIVEN(spin_us))
+            o.spin_us = 0;
+        if (!OPT_GIVEN(prefetch_share))
+            o.prefetch_share = 0;
+#undef OPT_GIVEN
     }
     uint64_t staging = o.staging_bytes ? o.staging_bytes : env_u64("CHM_STAGING_BYTES", DEFAULT_STAGING);
     uint32_t entries = o.queue_entries ? o.queue_entries : DEFAULT_ENTRIES;
-    uint64_t spin_us = (opts && opts->size >= sizeof(o) && o.spin_us) ? o.spin_us : env_u64("CHM_SPIN_US", DEFAULT_SPIN_US);
+    uint64_t spin_us = o.spin_us ? o.spin_us : env_u64("CHM_SPIN_US", DEFAULT_SPIN_US);
     if (staging == 0 || staging > CHM_MAX_STAGING_BYTES || entries < CHM_MIN_ENTRIES ||
-        entries > CHM_MAX_ENTRIES || (entries & (entries - 1)) || spin_us > 1000000)
+        entries > CHM_MAX_ENTRIES || (entries & (entries - 1)) || spin_us > MAX_SPIN_US)
         return -EINVAL;
+    if (o.prefetch_share != 0 && !(o.prefetch_share > 0 && o.prefetch_share <= 1))   /* NaN fails too */
+        return -EINVAL;
+    /* Rounded to the nearest ppm, at least 1: 0 would mean "the device default". */
+    uint32_t share_ppm = 0;
+    if (o.prefetch_share != 0) {
+        share_ppm = (uint32_t)(o.prefetch_share * CHM_PPM + 0.5);
+        if (share_ppm == 0)
+            share_ppm = 1;
+    }
 
     char node_path[PATH_MAX];
     int ret = resolve_path(path, node_path, sizeof(node_path));
@@ -207,6 +267,7 @@ int chm_open_opts(const char *path, const struct chm_open_opts *opts, chm_dev **
     chm_dev *d = calloc(1, sizeof(*d));
     if (!d)
         return -ENOMEM;
+    d->magic = DEV_OPEN_MAGIC;
     d->sock = d->evfd = -1;
     d->spin_ns = spin_us * 1000;
     int qp_fd = -1;
@@ -216,7 +277,7 @@ int chm_open_opts(const char *path, const struct chm_open_opts *opts, chm_dev **
     if ((ret = connect_server(node_path)) < 0)
         goto fail;
     d->sock = ret;
-    if ((ret = attach(d, entries, staging, &qp_fd, &qp_bytes)) < 0)
+    if ((ret = attach(d, entries, staging, share_ppm, &qp_fd, &qp_bytes)) < 0)
         goto fail;
     ret = map_qp(d, qp_fd, qp_bytes);
     close(qp_fd);
@@ -236,10 +297,10 @@ int chm_open(const char *path, chm_dev **dev)
 
 void chm_close(chm_dev *d)
 {
-    if (!d)
-        return;
-    if (d->qp)
-        munmap(d->qp, d->qp_len);
+    if (!d || !dev_is_open(d))
+        return;          /* NULL, or closed already (best effort: see chm.h) */
+    d->magic = DEV_CLOSED_MAGIC;
+    mapping_put(d->qp);  /* unmapped now unless an FFI user holds a reference */
     if (d->node)
         munmap(d->node, sizeof(*d->node));
     if (d->sock >= 0)
@@ -366,7 +427,8 @@ static int check_range(const chm_dev *d, chm_addr addr, size_t len)
 
 ssize_t chm_read(chm_dev *d, chm_addr addr, void *buf, size_t len)
 {
-    if (!d || !buf)
+    CHECK_DEV(d);
+    if (!buf)
         return -EINVAL;
     int ret = check_range(d, addr, len);
     if (ret)
@@ -421,7 +483,8 @@ ssize_t chm_read(chm_dev *d, chm_addr addr, void *buf, size_t len)
 
 ssize_t chm_write(chm_dev *d, chm_addr addr, const void *buf, size_t len)
 {
-    if (!d || !buf)
+    CHECK_DEV(d);
+    if (!buf)
         return -EINVAL;
     int ret = check_range(d, addr, len);
     if (ret)
@@ -451,16 +514,14 @@ ssize_t chm_write(chm_dev *d, chm_addr addr, const void *buf, size_t len)
 
 int chm_flush(chm_dev *d)
 {
-    if (!d)
-        return -EINVAL;
+    CHECK_DEV(d);
     struct chm_sqe e = { .opcode = CHM_OP_FLUSH };
     return (int)run_cmd(d, &e);
 }
 
 chm_req chm_prefetch_object(chm_dev *d, chm_addr addr, size_t size)
 {
-    if (!d)
-        return -EINVAL;
+    CHECK_DEV(d);
     int ret = check_range(d, addr, size);
     if (ret)
         return ret;
@@ -470,7 +531,8 @@ chm_req chm_prefetch_object(chm_dev *d, chm_addr addr, size_t size)
 
 int chm_prefetch_wait(chm_dev *d, chm_req req, int timeout_ms)
 {
-    if (!d || req <= 0)
+    CHECK_DEV(d);
+    if (req <= 0)
         return -EINVAL;
     struct chm_sqe e = { .opcode = CHM_OP_WAIT, .handle = req,
                          .timeout_ns = timeout_ms < 0 ? -1 : (int64_t)timeout_ms * 1000000 };
@@ -479,7 +541,8 @@ int chm_prefetch_wait(chm_dev *d, chm_req req, int timeout_ms)
 
 int chm_prefetch_release(chm_dev *d, chm_req req)
 {
-    if (!d || req <= 0)
+    CHECK_DEV(d);
+    if (req <= 0)
         return -EINVAL;
     struct chm_sqe e = { .opcode = CHM_OP_RELEASE, .handle = req };
     return (int)run_cmd(d, &e);
@@ -487,7 +550,8 @@ int chm_prefetch_release(chm_dev *d, chm_req req)
 
 int chm_get_stats(chm_dev *d, struct chm_stats *s)
 {
-    if (!d || !s)
+    CHECK_DEV(d);
+    if (!s)
         return -EINVAL;
     struct chm_sqe e = { .opcode = CHM_OP_STATS };
     int64_t r = run_cmd(d, &e);
@@ -507,7 +571,8 @@ int chm_get_stats(chm_dev *d, struct chm_stats *s)
 
 ssize_t chm_stats_json(chm_dev *d, char *buf, size_t len)
 {
-    if (!d || !buf || !len)
+    CHECK_DEV(d);
+    if (!buf || !len)
         return -EINVAL;
     size_t room = len - 1 < d->staging_bytes ? len - 1 : d->staging_bytes;
     struct chm_sqe e = { .opcode = CHM_OP_STATS_JSON, .len = room, .buf_offset = 0 };
@@ -521,7 +586,8 @@ ssize_t chm_stats_json(chm_dev *d, char *buf, size_t len)
 
 int chm_get_info(chm_dev *d, struct chm_info *info)
 {
-    if (!d || !info)
+    CHECK_DEV(d);
+    if (!info)
         return -EINVAL;
     const struct chm_node *n = d->node;
     memset(info, 0, sizeof(*info));
@@ -537,12 +603,13 @@ int chm_get_info(chm_dev *d, struct chm_info *info)
     info->server_pid = n->server_pid;
     snprintf(info->policy, sizeof(info->policy), "%.*s", (int)sizeof(n->policy), n->policy);
     snprintf(info->profile, sizeof(info->profile), "%.*s", (int)sizeof(n->profile), n->profile);
+    info->device_epoch = n->device_epoch;
     return 0;
 }
 
 void *chm_buffer(chm_dev *d, size_t *len)
 {
-    if (!d)
+    if (!d || !dev_is_open(d))
         return NULL;
     if (len)
         *len = d->staging_bytes;
@@ -551,14 +618,30 @@ void *chm_buffer(chm_dev *d, size_t *len)
 
 uint64_t chm_last_latency_ns(chm_dev *d)
 {
-    return d ? d->last_latency_ns : 0;
+    return d && dev_is_open(d) ? d->last_latency_ns : 0;
+}
+
+/* ---- FFI support ---------------------------------------------------------------- */
+
+chm_mapping *chm_mapping_get(chm_dev *d)
+{
+    if (!d || !dev_is_open(d) || !d->qp)
+        return NULL;
+    __atomic_add_fetch(&d->qp->refs, 1, __ATOMIC_RELAXED);
+    return d->qp;
+}
+
+void chm_mapping_put(chm_mapping *m)
+{
+    mapping_put(m);
 }
 
 /* ---- asynchronous ------------------------------------------------------------------ */
 
 static int submit_rw(chm_dev *d, uint8_t op, chm_addr addr, const void *buf, size_t len, uint64_t user_data)
 {
-    if (!d || !buf)
+    CHECK_DEV(d);
+    if (!buf)
         return -EINVAL;
     int ret = check_range(d, addr, len);
     if (ret)
@@ -586,7 +669,8 @@ int chm_submit_write(chm_dev *d, chm_addr addr, const void *buf, size_t len, uin
 
 int chm_reap(chm_dev *d, struct chm_completion *out, unsigned max, unsigned min_wait)
 {
-    if (!d || (!out && max) || min_wait > max || min_wait > d->async_inflight)
+    CHECK_DEV(d);
+    if ((!out && max) || min_wait > max || min_wait > d->async_inflight)
         return -EINVAL;
     unsigned n = 0;
     while (n < max && d->async_inflight) {
@@ -616,11 +700,12 @@ const char *chm_strerror(int err)
     case EAGAIN: return "write buffer full: nothing written, retry later";
     case ETIMEDOUT: return "prefetch not staged within the timeout";
     case EBUSY: return "busy: prefetch window full, queue full, or asynchronous commands in flight";
-    case ENOSPC: return "result does not fit the buffer";
+    case ENOSPC: return "no space on the media (or a result larger than the buffer)";
     case EPROTO: return "driver protocol mismatch";
     case ENOMEM: return "out of memory";
     case EACCES: return "permission denied";
-    case EIO: return "device internal error";
+    case EIO: return "media I/O error or device internal error";
+    case EBADF: return "handle closed already (chm_close)";
     default: return strerror(err < 0 ? -err : err);
     }
 }
