@@ -65,8 +65,8 @@ PAGE = 4096
 # A read (or a write no write buffer can refuse) longer than this is served one piece per turn,
 # round-robin with the other clients, so a small command never waits behind a whole large one.
 CHUNK_BYTES = 1 << 20
-# While no other client has work, a large command's pieces double up to this (a Python call per
-# piece costs ~5 us); one arriving then waits for at most one such piece.
+# While no other client has work, a large command goes in pieces of this (a Python call per piece
+# costs ~5 us); a client arriving then waits for at most one such piece.
 MAX_PIECE_ALONE = 8 << 20
 MAX_PENDING_ATTACHES = 64  # half-open connections held at once; more are closed at once
 LOG_INTERVAL_S = 10.0  # a repeating complaint (fd exhaustion, connection flood) is logged at most this often
@@ -423,7 +423,8 @@ class DeviceServer:
             return None
         self._check_reserved(e)
         self.ctl.check_range(e.addr, e.len)
-        return Job(e, c.buffer(e.buf_offset, e.len), start, self.chunk_bytes)
+        piece = self.chunk_bytes if self._others_waiting(c) else MAX_PIECE_ALONE
+        return Job(e, c.buffer(e.buf_offset, e.len), start, piece)
 
     def _step(self, c: Client) -> None:
         """Serve the next piece of the client's job, and more while no other client has work waiting;
@@ -452,7 +453,7 @@ class DeviceServer:
             if self._others_waiting(c):
                 job.piece = self.chunk_bytes
                 return  # the rest on the client's next turns
-            job.piece = min(2 * job.piece, MAX_PIECE_ALONE)  # alone: fewer, larger pieces cost less
+            job.piece = MAX_PIECE_ALONE  # alone: fewer, larger pieces cost less
         c.job = None
         if res is None:
             res = job.end - job.addr
