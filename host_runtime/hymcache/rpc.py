@@ -1,0 +1,188 @@
+"""Calls between HyMCache processes over ZeroMQ: one small RPC layer for all.
+
+A server exposes named methods of one object on a ROUTER socket; a client
+(DEALER) calls them by name with positional arguments. Messages are
+``[request id, header, *payload]``: the header is MessagePack (msgspec), the
+payload frames are raw bytes sent without a copy (a KV block never passes
+through the encoder). Arguments and results are plain MessagePack values;
+Structs from ``messages.py`` travel as arrays and the typed wrappers convert
+them back (``messages.to``).
+
+Errors: a method that raises ``ChmError`` answers with its errno and message,
+and the client raises ``RemoteError`` with the same errno. A call that gets no
+answer within its timeout raises ``RpcTimeout`` (ETIMEDOUT); the client then
+drops any late answer to it, so a slow or dead server never wedges a caller.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import threading
+import traceback
+from typing import Any, Callable, Iterable
+
+import msgspec
+import zmq
+import zmq.auth
+
+from driver.errors import ChmError
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+class RemoteError(ChmError):
+    """The called method failed on the server (its errno and message)."""
+
+
+class RpcTimeout(ChmError):
+    """No answer within the timeout (server slow, dead or unreachable)."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ETIMEDOUT, message)
+
+
+class Payload:
+    """A result with raw frames beside it (e.g. a KV block), sent without a copy."""
+
+    __slots__ = ("result", "frames")
+
+    def __init__(self, result: Any, frames: Iterable):
+        self.result, self.frames = result, list(frames)
+
+
+def curve_server(sock: zmq.Socket, keys_dir: str | None) -> None:
+    """CurveZMQ on a server socket, from ``keys_dir/server.key_secret`` (see ``make_curve_keys``)."""
+    if keys_dir:
+        public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key_secret"))
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+
+
+def curve_client(sock: zmq.Socket, keys_dir: str | None) -> None:
+    if keys_dir:
+        server_public, _ = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key"))
+        public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, "client.key_secret"))
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+
+
+def make_curve_keys(keys_dir: str) -> None:
+    """Create a server and a client key pair in ``keys_dir`` (copy it to every machine of the set)."""
+
+    os.makedirs(keys_dir, exist_ok=True)
+    for name in ("server", "client"):
+        if not os.path.exists(os.path.join(keys_dir, f"{name}.key")):
+            zmq.auth.create_certificates(keys_dir, name)
+
+
+class RpcServer:
+    """Serve ``methods`` of ``target`` on ``endpoint`` (``tcp://127.0.0.1:PORT``, ``ipc://PATH``;
+    ``tcp://127.0.0.1:0`` picks a free port: see ``endpoint`` after start).
+
+    A method receives the call's positional arguments, then ``payload=[memoryview, ...]`` if the
+    call carried frames and the method accepts that keyword. ``tick`` (if given) runs at least every
+    ``tick_s`` seconds while serving: timeouts, leases, background work.
+    """
+
+    def __init__(self, target: object, methods: Iterable[str], endpoint: str, *, tick: Callable[[], None] | None = None,
+                 tick_s: float = 0.05, curve_keys: str | None = None, log: Callable[[str], None] | None = None,
+                 context: zmq.Context | None = None):
+        self.target, self.methods = target, frozenset(methods)
+        self.tick, self.tick_s = tick, tick_s
+        self.log = log or (lambda msg: None)
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        curve_server(self.sock, curve_keys)
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            port = self.sock.bind_to_random_port(endpoint[:-2])
+            self.endpoint = f"{endpoint[:-2]}:{port}"
+        else:
+            self.sock.bind(endpoint)
+            self.endpoint = endpoint
+        self._stop = threading.Event()
+        self.calls = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(int(self.tick_s * 1000)):
+                    while self.sock.poll(0):
+                        self._answer(self.sock.recv_multipart(copy=False))
+                if self.tick is not None:
+                    self.tick()
+        finally:
+            self.sock.close(0)
+
+    def _answer(self, frames: list) -> None:
+        if len(frames) < 3:
+            return  # not ours: ignored
+        identity, call_id, header, payload = frames[0], frames[1], frames[2], frames[3:]
+        result_frames: list = []
+        try:
+            method, args = _decode(header.buffer)
+            if method not in self.methods:
+                raise ChmError(errno.EINVAL, f"unknown method {method!r}; this server answers: "
+                                             f"{', '.join(sorted(self.methods))}")
+            fn = getattr(self.target, method)
+            result = fn(*args, payload=[f.buffer for f in payload]) if payload else fn(*args)
+            if isinstance(result, Payload):
+                result, result_frames = result.result, result.frames
+            reply = _encode((0, result, ""))
+        except ChmError as exc:
+            reply = _encode((exc.errno, None, exc.message))
+        except (TypeError, ValueError, msgspec.DecodeError) as exc:  # a malformed call must not end the server
+            reply = _encode((errno.EINVAL, None, f"bad call: {exc}"))
+        except Exception:
+            self.log(f"internal error answering a call:\n{traceback.format_exc()}")
+            reply = _encode((errno.EIO, None, "internal error in the server (see its log)"))
+        self.sock.send_multipart([identity, call_id, reply, *result_frames], copy=False)
+        self.calls += 1
+
+
+class RpcClient:
+    """Calls to one server. Like a libchm handle it is for one thread at a time."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, *, curve_keys: str | None = None,
+                 context: zmq.Context | None = None):
+        if not timeout_s > 0:
+            raise ChmError(errno.EINVAL, f"timeout_s {timeout_s!r} must be > 0")
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        curve_client(self.sock, curve_keys)
+        self.sock.connect(endpoint)
+        self._ids = itertools.count(1)
+
+    def call(self, method: str, *args, payload: Iterable | None = None, timeout_s: float | None = None,
+             frames: bool = False) -> Any:
+        """``method(*args)`` on the server; its result (and, with ``frames``, the reply's raw frames)."""
+        call_id = next(self._ids).to_bytes(8, "little")
+        self.sock.send_multipart([call_id, _encode((method, list(args))), *(payload or ())], copy=False)
+        wait_ms = int(1000 * (self.timeout_s if timeout_s is None else timeout_s))
+        while True:
+            if not self.sock.poll(wait_ms):
+                raise RpcTimeout(f"{method} to {self.endpoint}: no answer within {wait_ms} ms")
+            reply = self.sock.recv_multipart(copy=False)
+            if reply[0].bytes != call_id:
+                continue  # a late answer to a call that timed out
+            err, result, message = _decode(reply[1].buffer)
+            if err:
+                raise RemoteError(err, f"{method} at {self.endpoint}: {message}")
+            return (result, [f.buffer for f in reply[2:]]) if frames else result
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def __enter__(self) -> "RpcClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
