@@ -1,0 +1,1063 @@
+"""The HyMCache Master: global metadata of every stored KV block.
+
+Entries
+-------
+One 64-byte row per block in a numpy structured array (``ENTRY_DTYPE``,
+packed, little-endian), and an index ``dict[key bytes -> row]``. Freed rows
+are reused before the table grows (it doubles).
+
+    offset  field         type  meaning
+     0      key           V16   the block key (keys.py: chained SHA-256 truncated to 16 bytes)
+    16      offset        u8    byte address of the block on its device
+    24      checksum      u8    xxh3_64 of the block's bytes (given at put_end)
+    32      lru           u8    LRU stamp: the Master's touch counter at the last put_end/lookup
+    40      length        u4    bytes (blocks up to 4 GiB - 1)
+    44      version       u4    Master-wide store counter at put_start (wraps at 2^32; only equality matters)
+    48      lease_until   u4    read lease end, ms on the Master's time base (0: none)
+    52      lease_cap     u4    first grant + lease_max_s, ms: renewals never go past it
+    56      put_deadline  u4    put_start + put_timeout_s, ms: revoked then if put_end has not come
+    60      node          u2    storage node
+    62      device        u1    device within the node
+    63      state         u1    FREE 0, PENDING 1 (put_start .. put_end), COMPLETE 2,
+                                DRAINING 3 (removed while leased: space freed when the lease ends)
+
+Times are u4 milliseconds since a time base (the clock at start), so three
+deadlines fit beside the 8-byte fields; when the base is 2^31 ms (24.8 days)
+behind, it moves forward and the columns shift (``_rebase``). Deadlines round
+up to the next ms, so a lease or put never ends early.
+
+Bytes per entry including the index: ``Master.metadata_bytes()`` counts the
+table, the dict's own hash table (``sys.getsizeof``), one 16-byte ``bytes``
+object per key and one ``int`` object per row number; ``measure_bytes_per_entry``
+checks that count against ``tracemalloc`` (numpy reports its buffers to it).
+
+Allocation (per device, append-only)
+------------------------------------
+A block goes at the device's write head when it fits before the end; else in
+the first freed extent large enough, taken in the order extents were freed
+(from the extent's end, so the rest keeps its place). A freed extent merges
+with free neighbours; the merged extent counts as freed now. A live block's
+bytes are never handed out again: only freed extents are, and a block removed
+while leased is freed when its lease ends. ``fragmentation`` in stats() is
+1 - largest free extent / free bytes (the region after the head counts as one
+extent): 0 when all free space is one run, near 1 when shattered.
+
+Crash safety (``state_dir``)
+----------------------------
+Every mutation appends a record (msgspec MessagePack, framed with its length
+and CRC32) to ``journal-<gen>``: node registrations, allocations, commits,
+drops and frees, in the order they happen, so replay reproduces the allocator
+exactly. Records reach the OS at the end of every call (so ``kill -9`` loses
+nothing that returned) and are fsync'd when ``put_end`` and ``register_node``
+return (durable against power loss too) and on every server tick. Every
+``snapshot_every`` records the whole state goes to ``snapshot.msgpack``
+(written aside, fsync'd, renamed) and a new journal generation starts.
+On start the snapshot is loaded and its journal replayed (a torn last record
+is dropped); then put_starts in flight are revoked and leases dropped (they
+do not survive a restart: workers time out and recompute, then store again);
+LRU order after a restart is put_end order. A lock file keeps a second Master
+off the same directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import itertools
+import math
+import os
+import signal
+import struct
+import sys
+import threading
+import tracemalloc
+import zlib
+from collections import OrderedDict
+from typing import Callable, Union
+
+import msgspec
+import numpy as np
+
+from driver.errors import ChmError
+
+from .clock import Clock, WallClock
+from .messages import KEY_BYTES, BlockLoc, DeviceInfo, WriteLoc, to
+from .rpc import RpcClient, RpcServer
+
+ENTRY_DTYPE = np.dtype([
+    ("key", "V16"), ("offset", "<u8"), ("checksum", "<u8"), ("lru", "<u8"),
+    ("length", "<u4"), ("version", "<u4"), ("lease_until", "<u4"), ("lease_cap", "<u4"),
+    ("put_deadline", "<u4"), ("node", "<u2"), ("device", "u1"), ("state", "u1"),
+])
+assert ENTRY_DTYPE.itemsize == 64, ENTRY_DTYPE.itemsize
+FREE, PENDING, COMPLETE, DRAINING = 0, 1, 2, 3
+_ZERO_ROW = np.zeros((), ENTRY_DTYPE)
+_BLOCKLOC_FIELDS = ["key", "node", "device", "offset", "length", "checksum", "version"]  # BlockLoc's order
+
+MAX_NODE = (1 << 16) - 1
+MAX_DEVICE = (1 << 8) - 1
+MAX_LENGTH = (1 << 32) - 1
+MAX_BATCH = 1 << 16                 # keys per call: bounds one call's work and message
+MAX_TIMEOUT_S = 86_400.0            # leases and put timeouts: far below the u4 ms range
+_REBASE_MS = 1 << 31                # move the time base once it is this far behind
+_INITIAL_ROWS = 1024
+PLACEMENTS = ("round_robin", "load_aware")
+MASTER_METHODS = ("register_node", "nodes", "lookup", "put_start", "put_end", "put_revoke", "remove", "stats")
+
+_SNAPSHOT_FORMAT = "hymcache-master-v1 " + str(ENTRY_DTYPE.descr)  # a layout change refuses old snapshots
+_FRAME = struct.Struct("<II")       # record length, CRC32 of the record
+
+
+# ---------------------------------------------------------------- validation
+
+def _check_int(value, field: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ChmError(errno.EINVAL, f"{field} {value!r} must be an int in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise ChmError(errno.EINVAL, f"{field} {value} out of range [{lo}, {hi}]")
+    return int(value)
+
+
+def _check_list(values, field: str) -> list:
+    if not isinstance(values, (list, tuple)):
+        raise ChmError(errno.EINVAL, f"{field} must be a list, got {type(values).__name__}")
+    if len(values) > MAX_BATCH:
+        raise ChmError(errno.EINVAL, f"{field}: {len(values)} items; at most {MAX_BATCH} per call")
+    return list(values)
+
+
+def _check_keys(keys, field: str = "keys") -> list[bytes]:
+    keys = _check_list(keys, field)
+    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:  # the common case, in C loops
+        return keys
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes):
+            if not isinstance(key, (bytearray, memoryview)):
+                raise ChmError(errno.EINVAL, f"{field}[{i}] must be {KEY_BYTES} bytes, got {type(key).__name__}")
+            keys[i] = key = bytes(key)
+        if len(key) != KEY_BYTES:
+            raise ChmError(errno.EINVAL, f"{field}[{i}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
+    return keys
+
+
+def _check_seconds(value, field: str, lo_exclusive: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo_exclusive < value <= MAX_TIMEOUT_S:
+        raise ChmError(errno.EINVAL, f"{field} {value!r} must be a number in ({lo_exclusive}, {MAX_TIMEOUT_S}]")
+    return float(value)
+
+
+# ---------------------------------------------------------------- journal records
+
+class _NodeRec(msgspec.Struct, tag="n", array_like=True):
+    node: int
+    endpoint: str
+    devices: list[DeviceInfo]
+
+
+class _AllocRec(msgspec.Struct, tag="a", array_like=True):
+    key: bytes
+    node: int
+    device: int
+    offset: int
+    length: int
+    version: int
+
+
+class _CommitRec(msgspec.Struct, tag="c", array_like=True):
+    key: bytes
+    checksum: int
+
+
+class _DropRec(msgspec.Struct, tag="d", array_like=True):
+    key: bytes
+    freed: bool          # False: the block was leased; a _FreeRec frees its extent later
+
+
+class _FreeRec(msgspec.Struct, tag="f", array_like=True):
+    node: int
+    device: int
+    offset: int
+
+
+_Record = Union[_NodeRec, _AllocRec, _CommitRec, _DropRec, _FreeRec]
+
+
+class _DeviceState(msgspec.Struct, array_like=True):
+    node: int
+    device: int
+    head: int
+    used: int
+    freed: list[tuple[int, int]]   # (offset, length) in the order freed
+
+
+class _Snapshot(msgspec.Struct):
+    format: str
+    journal_gen: int
+    lru_next: int
+    version_next: int
+    nodes: list[_NodeRec]
+    devices: list[_DeviceState]
+    rows: bytes                    # the table's rows that are not FREE, raw ENTRY_DTYPE
+
+
+_rec_encode = msgspec.msgpack.Encoder().encode
+_rec_decode = msgspec.msgpack.Decoder(_Record).decode
+_snap_decode = msgspec.msgpack.Decoder(_Snapshot).decode
+
+
+def _frame(rec) -> bytes:
+    body = _rec_encode(rec)
+    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+
+
+def _read_journal(path: str) -> list:
+    """The records of a journal, up to the first torn or damaged one (a write cut by a crash)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    records, pos = [], 0
+    while pos + _FRAME.size <= len(data):
+        length, crc = _FRAME.unpack_from(data, pos)
+        body = data[pos + _FRAME.size:pos + _FRAME.size + length]
+        if len(body) != length or zlib.crc32(body) != crc:
+            break
+        records.append(_rec_decode(body))
+        pos += _FRAME.size + length
+    return records
+
+
+# ---------------------------------------------------------------- one device's space
+
+class _Device:
+    """Append-only allocation on one device: a write head, then freed extents in the order freed."""
+
+    __slots__ = ("node", "info", "capacity", "head", "used", "freed", "ends", "evict_retry_ms")
+
+    def __init__(self, node: int, info: DeviceInfo):
+        self.node, self.info, self.capacity = node, info, info.capacity_bytes
+        self.head = 0
+        self.used = 0                                   # bytes of PENDING, COMPLETE and DRAINING blocks
+        self.freed: OrderedDict[int, int] = OrderedDict()  # start -> length, oldest freed first
+        self.ends: dict[int, int] = {}                  # end -> start, to merge neighbours
+        self.evict_retry_ms = 0                         # over the watermark with nothing evictable: skip until then
+
+    def allocate(self, length: int) -> int | None:
+        if self.head + length <= self.capacity:
+            offset = self.head
+            self.head += length
+        else:
+            for start, size in self.freed.items():
+                if size >= length:
+                    break
+            else:
+                return None
+            del self.ends[start + size]
+            if size == length:
+                del self.freed[start]
+            else:
+                self.freed[start] = size - length       # keeps its place in the freed order
+                self.ends[start + size - length] = start
+            offset = start + size - length
+        self.used += length
+        return offset
+
+    def free(self, offset: int, length: int) -> None:
+        self.used -= length
+        start, end = offset, offset + length
+        if start in self.ends:
+            prev = self.ends.pop(start)
+            del self.freed[prev]
+            start = prev
+        if end in self.freed:
+            end_next = end + self.freed.pop(end)
+            del self.ends[end_next]
+            end = end_next
+        self.freed[start] = end - start
+        self.ends[end] = start
+
+    def space(self) -> dict:
+        tail = self.capacity - self.head
+        free_bytes = tail + sum(self.freed.values())
+        largest = max([tail, *self.freed.values()])
+        return {"node": self.node, "device": self.info.device, "capacity_bytes": self.capacity,
+                "used_bytes": self.used, "free_bytes": free_bytes, "write_head": self.head,
+                "freed_extents": len(self.freed), "largest_free_extent": largest,
+                "fragmentation": 0.0 if free_bytes == 0 else 1.0 - largest / free_bytes}
+
+
+# ---------------------------------------------------------------- the Master
+
+class Master:
+    """Block metadata, allocation and leases; in process, or served with ``serve_master``."""
+
+    def __init__(self, clock: Clock, state_dir: str | None = None, *, lease_s: float = 10.0,
+                 lease_max_s: float = 30.0, put_timeout_s: float = 30.0, high_watermark: float = 0.90,
+                 low_watermark: float = 0.85, placement: str = "round_robin", snapshot_every: int = 100_000,
+                 log: Callable[[str], None] | None = None):
+        self.lease_s = _check_seconds(lease_s, "lease_s")
+        self.lease_max_s = _check_seconds(lease_max_s, "lease_max_s")
+        if self.lease_max_s < self.lease_s:
+            raise ChmError(errno.EINVAL, f"lease_max_s {lease_max_s} must be >= lease_s {lease_s}")
+        self.put_timeout_s = _check_seconds(put_timeout_s, "put_timeout_s")
+        for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ChmError(errno.EINVAL, f"{name} {value!r} must be in (0, 1]")
+        if not low_watermark <= high_watermark:
+            raise ChmError(errno.EINVAL, f"low_watermark {low_watermark} must be <= high_watermark {high_watermark}")
+        if placement not in PLACEMENTS:
+            raise ChmError(errno.EINVAL, f"placement {placement!r} must be one of {', '.join(PLACEMENTS)}")
+        self.snapshot_every = _check_int(snapshot_every, "snapshot_every", 1, 1 << 40)
+        self.high_watermark, self.low_watermark, self.placement = float(high_watermark), float(low_watermark), placement
+        self.clock, self.log = clock, log or (lambda msg: None)
+        self._lease_ms = math.ceil(self.lease_s * 1000)
+        self._lease_max_ms = math.ceil(self.lease_max_s * 1000)
+        self._put_timeout_ms = math.ceil(self.put_timeout_s * 1000)
+        self._lock = threading.RLock()  # the Manager may call an in-process Master from several threads
+        self._time_base = clock.now()
+
+        self._table = np.zeros(_INITIAL_ROWS, ENTRY_DTYPE)
+        self._rows_used = 0                   # rows [0, _rows_used) have been handed out at least once
+        self._free_rows: list[int] = []       # rows given back, reused first
+        self._index: dict[bytes, int] = {}    # key -> row, PENDING and COMPLETE blocks
+        self._pending: OrderedDict[int, None] = OrderedDict()  # PENDING rows in put_start (= deadline) order
+        self._draining: dict[tuple[int, int, int], int] = {}    # (node, device, offset) -> DRAINING row
+        self._nodes: dict[int, dict] = {}     # node -> {"endpoint", "devices": {index: _Device}, "next_device"}
+        self._next_node = 0                   # round-robin cursor
+        self._lru_next = 1
+        self._version_next = 1
+        self.counters = dict.fromkeys((
+            "lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "put_blocks", "registered_blocks",
+            "revoked_blocks", "removed_blocks", "evictions", "stale_blocks", "put_no_space"), 0)
+
+        self.state_dir = state_dir
+        self._journal_fd = -1
+        self._journal_buf: list[bytes] = []
+        self._journal_dirty = False           # written but not fsync'd
+        self._records_since_snapshot = 0
+        self._journal_gen = 0
+        self._replaying = False
+        self._lock_fd = -1
+        if state_dir is not None:
+            self._recover(state_dir)
+
+    # ------------------------------------------------------------ time
+
+    def _now_ms(self) -> int:
+        now = int((self.clock.now() - self._time_base) * 1000)
+        if now >= _REBASE_MS:
+            now = self._rebase(now)
+        return max(now, 0)
+
+    def _rebase(self, now_ms: int) -> int:
+        """Move the time base to now so u4 deadlines keep fitting; times already past become 0."""
+        self._time_base += now_ms / 1000
+        for column in ("lease_until", "lease_cap", "put_deadline"):
+            col = self._table[column]
+            col[:] = np.where(col > now_ms, col.astype(np.int64) - now_ms, 0)
+        for dev in self._all_devices():
+            dev.evict_retry_ms = 0
+        return 0
+
+    # ------------------------------------------------------------ rows
+
+    def _new_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        if self._rows_used == len(self._table):
+            grown = np.zeros(2 * len(self._table), ENTRY_DTYPE)
+            grown[:self._rows_used] = self._table
+            self._table = grown
+        self._rows_used += 1
+        return self._rows_used - 1
+
+    def _release_row(self, row: int) -> None:
+        self._table[row] = _ZERO_ROW
+        self._free_rows.append(row)
+
+    def _device(self, node: int, device: int) -> _Device:
+        entry = self._nodes.get(node)
+        if entry is None:
+            raise ChmError(errno.ENOENT, f"node {node} is not registered (registered: {sorted(self._nodes)})")
+        dev = entry["devices"].get(device)
+        if dev is None:
+            raise ChmError(errno.ENOENT, f"device {device} of node {node} is not registered "
+                                        f"(its devices: {sorted(entry['devices'])})")
+        return dev
+
+    def _all_devices(self):
+        for entry in self._nodes.values():
+            yield from entry["devices"].values()
+
+    def _free_extent(self, row: int) -> None:
+        r = self._table[row]
+        self._device(int(r["node"]), int(r["device"])).free(int(r["offset"]), int(r["length"]))
+
+    def _drop(self, key: bytes, now_ms: int, leased: bool | None = None) -> None:
+        """``key`` leaves the index; its space is freed now, or when its read lease ends (``leased``:
+        given by journal replay, which has no leases)."""
+        row = self._index.pop(key)
+        self._pending.pop(row, None)
+        if leased is None:
+            leased = bool(self._table["state"][row] == COMPLETE and self._table["lease_until"][row] > now_ms)
+        self._log(_DropRec(key, not leased))
+        if leased:
+            self._table["state"][row] = DRAINING
+            r = self._table[row]
+            self._draining[(int(r["node"]), int(r["device"]), int(r["offset"]))] = row
+        else:
+            self._free_extent(row)
+            self._release_row(row)
+
+    # ------------------------------------------------------------ nodes
+
+    def register_node(self, node: int, endpoint: str, devices: list) -> None:
+        """A KV Manager announces its node. A device whose epoch or capacity changed loses its blocks."""
+        node = _check_int(node, "node", 0, MAX_NODE)
+        if not isinstance(endpoint, str) or len(endpoint) > 1024:
+            raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a string of at most 1024 characters")
+        devices = _check_list(devices, "devices")
+        try:
+            devices = to(list[DeviceInfo], devices)
+        except msgspec.ValidationError as exc:
+            raise ChmError(errno.EINVAL, f"devices: {exc}") from None
+        if not devices:
+            raise ChmError(errno.EINVAL, f"node {node}: devices is empty; a node needs at least one device")
+        seen = set()
+        for i, d in enumerate(devices):
+            _check_int(d.device, f"devices[{i}].device", 0, MAX_DEVICE)
+            _check_int(d.capacity_bytes, f"devices[{i}].capacity_bytes", 1, (1 << 63) - 1)
+            _check_int(d.epoch, f"devices[{i}].epoch", 0, (1 << 64) - 1)
+            if d.device in seen:
+                raise ChmError(errno.EINVAL, f"devices[{i}].device {d.device} appears twice")
+            seen.add(d.device)
+        with self._lock:
+            now = self._now_ms()
+            self._log(_NodeRec(node, endpoint, devices))
+            self._apply_node(node, endpoint, devices, now)
+            self._journal_flush(durable=True)
+
+    def _apply_node(self, node: int, endpoint: str, devices: list[DeviceInfo], now_ms: int) -> None:
+        entry = self._nodes.setdefault(node, {"endpoint": endpoint, "devices": {}, "next_device": 0})
+        entry["endpoint"] = endpoint
+        old, new = entry["devices"], {d.device: d for d in devices}
+        stale = {i for i, dev in old.items()
+                 if i not in new or (dev.info.epoch, dev.capacity) != (new[i].epoch, new[i].capacity_bytes)}
+        if stale:
+            self._forget_devices(node, stale)
+        entry["devices"] = {i: (old[i] if i in old and i not in stale else _Device(node, info))
+                            for i, info in sorted(new.items())}
+        for i, dev in entry["devices"].items():
+            dev.info = new[i]  # node_path may change
+
+    def _forget_devices(self, node: int, devices: set[int]) -> None:
+        """Every row on these devices goes: their media changed (new epoch) or they left the node."""
+        t = self._table[:self._rows_used]
+        rows = np.flatnonzero((t["state"] != FREE) & (t["node"] == node) & np.isin(t["device"], list(devices)))
+        for row in rows.tolist():
+            key = self._table["key"][row].tobytes()
+            if self._index.get(key) == row:
+                del self._index[key]
+                self.counters["stale_blocks"] += 1
+            self._pending.pop(row, None)
+            self._release_row(row)
+        for k in [k for k in self._draining if k[0] == node and k[1] in devices]:
+            del self._draining[k]
+
+    def nodes(self) -> dict:
+        with self._lock:
+            return {node: {"endpoint": e["endpoint"], "devices": [d.info for d in e["devices"].values()]}
+                    for node, e in sorted(self._nodes.items())}
+
+    # ------------------------------------------------------------ lookup
+
+    def lookup(self, keys: list) -> list[BlockLoc]:
+        """The longest stored contiguous prefix of ``keys``; each returned block gets a read lease."""
+        keys = _check_keys(keys)
+        with self._lock:
+            now = self._now_ms()
+            self._expire(now)
+            self.counters["lookup_requests"] += 1
+            self.counters["lookup_keys"] += len(keys)
+            rows = []
+            get = self._index.get
+            for key in keys:
+                row = get(key)
+                if row is None:
+                    break
+                rows.append(row)
+            if not rows:
+                self._journal_flush(durable=False)
+                return []
+            rows_arr = np.array(rows, dtype=np.intp)
+            sub = self._table[rows_arr]  # a copy: updated, then written back in one go
+            not_complete = np.flatnonzero(sub["state"] != COMPLETE)
+            if not_complete.size:
+                rows_arr, sub = rows_arr[:not_complete[0]], sub[:not_complete[0]]
+            n = len(rows_arr)
+            if n:
+                # a lease that has ended starts a new cap; renewals never pass the cap
+                cap = np.where(sub["lease_until"] > now, sub["lease_cap"], now + self._lease_max_ms)
+                sub["lease_cap"] = cap
+                sub["lease_until"] = np.maximum(sub["lease_until"], np.minimum(now + self._lease_ms, cap))
+                sub["lru"] = np.arange(self._lru_next, self._lru_next + n, dtype=np.uint64)
+                self._lru_next += n
+                self._table[rows_arr] = sub
+            self.counters["lookup_hits"] += n
+            self._journal_flush(durable=False)
+            return list(itertools.starmap(BlockLoc, sub[_BLOCKLOC_FIELDS].tolist()))
+
+    # ------------------------------------------------------------ puts
+
+    def put_start(self, request_id: str, keys: list, sizes: list) -> list[WriteLoc | None]:
+        """Where to write each block: one node (placement) and one device (round robin) for the request.
+        None for a key already stored or in flight. ENOSPC (nothing allocated) if the device cannot hold
+        the request even after evicting every evictable block."""
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
+            raise ChmError(errno.EINVAL, f"request_id {request_id!r} must be a string of 1..256 characters")
+        keys = _check_keys(keys)
+        sizes = _check_list(sizes, "sizes")
+        if len(sizes) != len(keys):
+            raise ChmError(errno.EINVAL, f"sizes has {len(sizes)} items for {len(keys)} keys")
+        sizes = [_check_int(s, f"sizes[{i}]", 1, MAX_LENGTH) for i, s in enumerate(sizes)]
+        with self._lock:
+            now = self._now_ms()
+            self._expire(now)
+            self.counters["put_requests"] += 1
+            todo, seen = [], set()
+            for i, key in enumerate(keys):
+                if key not in self._index and key not in seen:
+                    todo.append(i)
+                    seen.add(key)
+            result: list[WriteLoc | None] = [None] * len(keys)
+            if not todo:
+                self._journal_flush(durable=False)
+                return result
+            node = self._place()
+            entry = self._nodes[node]
+            dev_ids = list(entry["devices"])
+            dev = entry["devices"][dev_ids[entry["next_device"] % len(dev_ids)]]
+            entry["next_device"] += 1
+            device = dev.info.device
+            need = sum(sizes[i] for i in todo)
+            if need > dev.capacity:
+                raise ChmError(errno.ENOSPC, f"request {request_id}: {need} bytes exceed device {device} of node "
+                                             f"{node} ({dev.capacity} bytes)")
+            deadline = now + self._put_timeout_ms
+            placed: list[bytes] = []
+            victims = None  # evictable rows, least recently used first: found once, when first needed
+            for i in todo:
+                key, size = keys[i], sizes[i]
+                offset = dev.allocate(size)
+                while offset is None:
+                    if victims is None:
+                        victims = iter(self._evictable(dev, now).tolist())
+                    row = next(victims, None)
+                    if row is None:
+                        break
+                    self._drop(self._table["key"][row].tobytes(), now)
+                    self.counters["evictions"] += 1
+                    offset = dev.allocate(size)
+                if offset is None:  # all or nothing: give back what this request took
+                    for k in placed:
+                        self._drop(k, now)
+                    self.counters["put_no_space"] += 1
+                    self._journal_flush(durable=False)
+                    sp = dev.space()
+                    raise ChmError(errno.ENOSPC, f"request {request_id}: no room for {size} bytes on device {device} "
+                                                 f"of node {node}: {sp['free_bytes']} bytes free, largest extent "
+                                                 f"{sp['largest_free_extent']}, the rest leased or in flight")
+                version = self._version_next
+                self._version_next = (self._version_next + 1) & 0xFFFFFFFF or 1
+                self._add_pending(key, node, device, offset, size, version, deadline)
+                self._log(_AllocRec(key, node, device, offset, size, version))
+                placed.append(key)
+                result[i] = WriteLoc(key, node, device, offset, size, version)
+            self.counters["put_blocks"] += len(placed)
+            self._evict_over_watermark(dev, now)
+            self._journal_flush(durable=False)
+            return result
+
+    def _add_pending(self, key: bytes, node: int, device: int, offset: int, length: int, version: int,
+                     deadline_ms: int) -> None:
+        row = self._new_row()
+        self._table[row] = (np.void(key), offset, 0, 0, length, version, 0, 0, deadline_ms, node, device, PENDING)
+        self._index[key] = row
+        self._pending[row] = None
+
+    def _place(self) -> int:
+        nodes = sorted(n for n, e in self._nodes.items() if e["devices"])
+        if not nodes:
+            raise ChmError(errno.ENODEV, "no storage node is registered: start a KV Manager first")
+        if self.placement == "load_aware":
+            return min(nodes, key=lambda n: (sum(d.used for d in self._nodes[n]["devices"].values()), n))
+        node = nodes[self._next_node % len(nodes)]
+        self._next_node += 1
+        return node
+
+    def put_end(self, keys: list, checksums: list) -> int:
+        """Register written blocks (visible to lookup from now on); durable when it returns.
+        Keys not in flight (revoked, never started, already registered) are skipped: the count says."""
+        keys = _check_keys(keys)
+        checksums = _check_list(checksums, "checksums")
+        if len(checksums) != len(keys):
+            raise ChmError(errno.EINVAL, f"checksums has {len(checksums)} items for {len(keys)} keys")
+        checksums = [_check_int(c, f"checksums[{i}]", 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
+        with self._lock:
+            now = self._now_ms()
+            self._expire(now)
+            registered = 0
+            for key, checksum in zip(keys, checksums):
+                if self._commit(key, checksum):
+                    self._log(_CommitRec(key, checksum))
+                    registered += 1
+            self.counters["registered_blocks"] += registered
+            self._journal_flush(durable=True)
+            return registered
+
+    def _commit(self, key: bytes, checksum: int) -> bool:
+        row = self._index.get(key)
+        if row is None or self._table["state"][row] != PENDING:
+            return False
+        t = self._table
+        t["state"][row], t["checksum"][row], t["put_deadline"][row] = COMPLETE, checksum, 0
+        t["lru"][row] = self._lru_next
+        self._lru_next += 1
+        del self._pending[row]
+        self._device(int(t["node"][row]), int(t["device"][row])).evict_retry_ms = 0
+        return True
+
+    def put_revoke(self, keys: list) -> int:
+        """Give back put_starts that will not be finished; registered blocks are not touched."""
+        keys = _check_keys(keys)
+        with self._lock:
+            now = self._now_ms()
+            self._expire(now)
+            revoked = 0
+            for key in keys:
+                row = self._index.get(key)
+                if row is not None and self._table["state"][row] == PENDING:
+                    self._drop(key, now)
+                    revoked += 1
+            self.counters["revoked_blocks"] += revoked
+            self._journal_flush(durable=False)
+            return revoked
+
+    def remove(self, keys: list) -> int:
+        """Forget blocks (stored or in flight); a leased block's space is freed when its lease ends."""
+        keys = _check_keys(keys)
+        with self._lock:
+            now = self._now_ms()
+            self._expire(now)
+            removed = 0
+            for key in keys:
+                if key in self._index:
+                    self._drop(key, now)
+                    removed += 1
+            self.counters["removed_blocks"] += removed
+            self._journal_flush(durable=False)
+            return removed
+
+    # ------------------------------------------------------------ expiry and eviction
+
+    def expire(self) -> None:
+        """Revoke put_starts past their deadline, free removed blocks whose lease ended, evict past the
+        high watermark."""
+        with self._lock:
+            self._expire(self._now_ms())
+            self._journal_flush(durable=False)
+
+    def tick(self) -> None:
+        """The server's tick: expire, and make the journal durable."""
+        with self._lock:
+            self._expire(self._now_ms())
+            self._journal_flush(durable=True)
+
+    def _expire(self, now: int) -> None:
+        t = self._table
+        while self._pending:
+            row = next(iter(self._pending))
+            if t["put_deadline"][row] > now:
+                break
+            self._drop(t["key"][row].tobytes(), now)
+            self.counters["revoked_blocks"] += 1
+        if self._draining:
+            for extent, row in list(self._draining.items()):
+                if t["lease_until"][row] <= now:
+                    del self._draining[extent]
+                    self._log(_FreeRec(*extent))
+                    self._free_extent(row)
+                    self._release_row(row)
+        for dev in self._all_devices():
+            if dev.used > self.high_watermark * dev.capacity and dev.evict_retry_ms <= now:
+                self._evict_over_watermark(dev, now)
+
+    def _evictable(self, dev: _Device, now: int) -> np.ndarray:
+        """Rows of complete, unleased blocks of ``dev``, least recently used first."""
+        t = self._table[:self._rows_used]
+        rows = np.flatnonzero((t["state"] == COMPLETE) & (t["node"] == dev.node) & (t["device"] == dev.info.device)
+                              & (t["lease_until"] <= now))
+        return rows[np.argsort(t["lru"][rows], kind="stable")]
+
+    def _evict_over_watermark(self, dev: _Device, now: int) -> None:
+        if dev.used <= self.high_watermark * dev.capacity:
+            return
+        target = self.low_watermark * dev.capacity
+        for row in self._evictable(dev, now).tolist():
+            if dev.used <= target:
+                break
+            self._drop(self._table["key"][row].tobytes(), now)
+            self.counters["evictions"] += 1
+        if dev.used > self.high_watermark * dev.capacity:
+            # nothing more to evict until a lease ends or a put completes (put_end resets this)
+            t = self._table[:self._rows_used]
+            leased = t["lease_until"][(t["state"] == COMPLETE) & (t["node"] == dev.node)
+                                      & (t["device"] == dev.info.device) & (t["lease_until"] > now)]
+            dev.evict_retry_ms = int(leased.min()) if leased.size else 1 << 62
+
+    # ------------------------------------------------------------ stats
+
+    def metadata_bytes(self) -> dict:
+        """Bytes the metadata holds: the table, the index dict's own table, its key and row objects."""
+        n = len(self._index)
+        key_object = sys.getsizeof(b"\0" * KEY_BYTES)
+        # row numbers above 256 are separate int objects (CPython caches -5..256)
+        row_objects = sys.getsizeof(1 << 20) * max(0, n - 257)
+        index = sys.getsizeof(self._index) + n * key_object + row_objects
+        free_rows = sys.getsizeof(self._free_rows) + sys.getsizeof(1 << 20) * len(self._free_rows)
+        table = self._table.nbytes
+        total = table + index + free_rows
+        return {"table_bytes": table, "index_bytes": index, "free_rows_bytes": free_rows, "total_bytes": total,
+                "entries": n, "bytes_per_entry": total / n if n else 0.0}
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._expire(self._now_ms())
+            meta = self.metadata_bytes()
+            devices = [dev.space() for dev in self._all_devices()]
+            self._journal_flush(durable=False)
+            return {**self.counters, "entries": meta["entries"], "bytes_per_entry": meta["bytes_per_entry"],
+                    "metadata_bytes": meta["total_bytes"], "pending_blocks": len(self._pending),
+                    "blocks": len(self._index) - len(self._pending),  # complete: what lookups can find
+                    "used_bytes": sum(d["used_bytes"] for d in devices),
+                    "capacity_bytes": sum(d["capacity_bytes"] for d in devices), "devices": devices}
+
+    # ------------------------------------------------------------ journal and snapshot
+
+    def _log(self, rec) -> None:
+        if self._journal_fd >= 0 and not self._replaying:
+            self._journal_buf.append(_frame(rec))
+
+    def _journal_flush(self, durable: bool) -> None:
+        if self._journal_fd < 0:
+            return
+        if self._journal_buf:
+            data = b"".join(self._journal_buf)
+            self._records_since_snapshot += len(self._journal_buf)
+            self._journal_buf.clear()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._journal_fd, view):]
+            self._journal_dirty = True
+        if durable and self._journal_dirty:
+            os.fsync(self._journal_fd)
+            self._journal_dirty = False
+        if self._records_since_snapshot >= self.snapshot_every:
+            self._snapshot()
+
+    def _journal_path(self, gen: int) -> str:
+        return os.path.join(self.state_dir, f"journal-{gen}")
+
+    def _snapshot(self) -> None:
+        """Write the whole state, then start the next journal generation and drop the old one."""
+        if self._journal_dirty:
+            os.fsync(self._journal_fd)
+        gen = self._journal_gen + 1
+        t = self._table[:self._rows_used]
+        snap = _Snapshot(
+            format=_SNAPSHOT_FORMAT, journal_gen=gen, lru_next=self._lru_next, version_next=self._version_next,
+            nodes=[_NodeRec(n, e["endpoint"], [d.info for d in e["devices"].values()])
+                   for n, e in sorted(self._nodes.items())],
+            devices=[_DeviceState(d.node, d.info.device, d.head, d.used, list(d.freed.items()))
+                     for d in self._all_devices()],
+            rows=t[t["state"] != FREE].tobytes())
+        path = os.path.join(self.state_dir, "snapshot.msgpack")
+        with open(path + ".tmp", "wb") as f:
+            f.write(msgspec.msgpack.encode(snap))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        _fsync_dir(self.state_dir)
+        old_fd, old_gen = self._journal_fd, self._journal_gen
+        self._open_journal(gen)
+        if old_fd >= 0:
+            os.close(old_fd)
+            _remove(self._journal_path(old_gen))
+        self._records_since_snapshot = 0
+
+    def _open_journal(self, gen: int) -> None:
+        self._journal_fd = os.open(self._journal_path(gen), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        self._journal_gen = gen
+        self._journal_dirty = False
+        _fsync_dir(self.state_dir)
+
+    def _recover(self, state_dir: str) -> None:
+        os.makedirs(state_dir, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise ChmError(errno.EBUSY, f"state dir {state_dir} is in use by another Master "
+                                        f"(pid {holder or '?'})") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        gen = 0
+        snap_path = os.path.join(state_dir, "snapshot.msgpack")
+        self._replaying = True
+        try:
+            if os.path.exists(snap_path):
+                with open(snap_path, "rb") as f:
+                    gen = self._load_snapshot(f.read(), snap_path)
+            records = _read_journal(os.path.join(state_dir, f"journal-{gen}"))
+            for rec in records:
+                self._replay(rec)
+        finally:
+            self._replaying = False
+        # leases and put_starts in flight do not survive a restart
+        now = self._now_ms()
+        for row in list(self._pending):
+            self._drop(self._table["key"][row].tobytes(), now)
+        for extent, row in list(self._draining.items()):
+            self._free_extent(row)
+            self._release_row(row)
+        self._draining.clear()
+        for column in ("lease_until", "lease_cap", "put_deadline"):
+            self._table[column] = 0
+        self._journal_gen = gen
+        self._snapshot()  # the recovered state is the new base; the replayed journal goes
+        for name in os.listdir(state_dir):
+            if name.startswith("journal-") and name != f"journal-{self._journal_gen}":
+                _remove(os.path.join(state_dir, name))
+        self.log(f"master: recovered {len(self._index)} blocks from {state_dir} "
+                 f"(snapshot generation {gen}, {len(records)} journal records)")
+
+    def _load_snapshot(self, data: bytes, path: str) -> int:
+        try:
+            snap = _snap_decode(data)
+        except msgspec.DecodeError as exc:
+            raise ChmError(errno.EIO, f"snapshot {path} is damaged: {exc}") from None
+        if snap.format != _SNAPSHOT_FORMAT:
+            raise ChmError(errno.EINVAL, f"snapshot {path} has format {snap.format!r}; this Master reads "
+                                         f"{_SNAPSHOT_FORMAT!r}")
+        now = self._now_ms()
+        for rec in snap.nodes:
+            self._apply_node(rec.node, rec.endpoint, rec.devices, now)
+        for ds in snap.devices:
+            dev = self._device(ds.node, ds.device)
+            dev.head, dev.used = ds.head, ds.used
+            for start, length in ds.freed:
+                dev.freed[start] = length
+                dev.ends[start + length] = start
+        rows = np.frombuffer(snap.rows, ENTRY_DTYPE)
+        size = _INITIAL_ROWS
+        while size < len(rows):
+            size *= 2
+        self._table = np.zeros(size, ENTRY_DTYPE)
+        self._table[:len(rows)] = rows
+        self._rows_used = len(rows)
+        for row in range(len(rows)):
+            state = int(rows["state"][row])
+            if state == DRAINING:
+                self._draining[(int(rows["node"][row]), int(rows["device"][row]), int(rows["offset"][row]))] = row
+            else:
+                self._index[rows["key"][row].tobytes()] = row
+                if state == PENDING:
+                    self._pending[row] = None
+        for column in ("lease_until", "lease_cap", "put_deadline"):  # times of the previous process
+            self._table[column] = 0
+        self._lru_next, self._version_next = snap.lru_next, snap.version_next
+        return snap.journal_gen
+
+    def _replay(self, rec) -> None:
+        """Apply one journal record through the same code as the live call."""
+        if isinstance(rec, _NodeRec):
+            self._apply_node(rec.node, rec.endpoint, rec.devices, 0)
+        elif isinstance(rec, _AllocRec):
+            dev = self._device(rec.node, rec.device)
+            offset = dev.allocate(rec.length)
+            if offset != rec.offset:
+                raise ChmError(errno.EIO, f"journal replay: block {rec.key.hex()} was at offset {rec.offset} of "
+                                          f"node {rec.node} device {rec.device}, replay allocates {offset}")
+            self._add_pending(rec.key, rec.node, rec.device, rec.offset, rec.length, rec.version, 0)
+            self._version_next = (rec.version + 1) & 0xFFFFFFFF or 1
+        elif isinstance(rec, _CommitRec):
+            self._commit(rec.key, rec.checksum)
+        elif isinstance(rec, _DropRec):
+            if rec.key in self._index:
+                self._drop(rec.key, 0, leased=not rec.freed)  # leased: DRAINING until its _FreeRec
+        elif isinstance(rec, _FreeRec):
+            row = self._draining.pop((rec.node, rec.device, rec.offset), None)
+            if row is not None:
+                self._free_extent(row)
+                self._release_row(row)
+
+    def close(self) -> None:
+        """Snapshot (if persistent) and let go of the state dir."""
+        with self._lock:
+            if self._journal_fd >= 0:
+                self._journal_flush(durable=True)
+                self._snapshot()
+                os.close(self._journal_fd)
+                self._journal_fd = -1
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    def __enter__(self) -> "Master":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------- measurement
+
+def measure_bytes_per_entry(entries: int = 1 << 16, block_bytes: int = 16 << 20) -> dict:
+    """Fill an in-memory Master with ``entries`` registered blocks and measure its memory per entry with
+    tracemalloc (Python objects and numpy buffers), beside ``metadata_bytes()``'s count."""
+    from .clock import ManualClock
+    entries = _check_int(entries, "entries", 1, 1 << 24)
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        keys = [i.to_bytes(KEY_BYTES, "little") for i in range(entries)]
+        base = tracemalloc.get_traced_memory()[0]
+        master = Master(ManualClock(), put_timeout_s=MAX_TIMEOUT_S, high_watermark=1.0, low_watermark=1.0)
+        master.register_node(0, "", [DeviceInfo(0, "", entries * block_bytes, 1)])
+        for start in range(0, entries, 32):
+            batch = keys[start:start + 32]
+            master.put_start("measure", batch, [block_bytes] * len(batch))
+            master.put_end(batch, [0] * len(batch))
+        traced = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    counted = master.metadata_bytes()
+    # the key objects existed before ``base`` (the caller's keys): add them, the index holds them
+    traced += entries * sys.getsizeof(keys[0])
+    return {"entries": entries, "entry_bytes": ENTRY_DTYPE.itemsize, "traced_bytes_per_entry": traced / entries,
+            "counted_bytes_per_entry": counted["bytes_per_entry"], **counted}
+
+
+# ---------------------------------------------------------------- serving
+
+def serve_master(master: Master, endpoint: str, curve_keys: str | None = None,
+                 log: Callable[[str], None] | None = None) -> RpcServer:
+    """An RpcServer for ``master`` bound to ``endpoint`` (run ``serve_forever``); its tick expires and syncs."""
+    return RpcServer(master, MASTER_METHODS, endpoint, tick=master.tick, tick_s=0.05, curve_keys=curve_keys, log=log)
+
+
+class MasterClient:
+    """The Master's methods over ZeroMQ, with typed results. One thread at a time (like RpcClient)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, curve_keys: str | None = None):
+        self.rpc = RpcClient(endpoint, timeout_s, curve_keys=curve_keys)
+        self.endpoint = endpoint
+
+    def register_node(self, node: int, endpoint: str, devices: list[DeviceInfo]) -> None:
+        self.rpc.call("register_node", node, endpoint, list(devices))
+
+    def nodes(self) -> dict:
+        return {int(n): {"endpoint": e["endpoint"], "devices": to(list[DeviceInfo], e["devices"])}
+                for n, e in self.rpc.call("nodes").items()}
+
+    def lookup(self, keys: list[bytes], timeout_s: float | None = None) -> list[BlockLoc]:
+        return to(list[BlockLoc], self.rpc.call("lookup", list(keys), timeout_s=timeout_s))
+
+    def put_start(self, request_id: str, keys: list[bytes], sizes: list[int]) -> list[WriteLoc | None]:
+        return to(list[Union[WriteLoc, None]], self.rpc.call("put_start", request_id, list(keys), list(sizes)))
+
+    def put_end(self, keys: list[bytes], checksums: list[int]) -> int:
+        return self.rpc.call("put_end", list(keys), list(checksums))
+
+    def put_revoke(self, keys: list[bytes]) -> int:
+        return self.rpc.call("put_revoke", list(keys))
+
+    def remove(self, keys: list[bytes]) -> int:
+        return self.rpc.call("remove", list(keys))
+
+    def stats(self) -> dict:
+        return self.rpc.call("stats")
+
+    def close(self) -> None:
+        self.rpc.close()
+
+    def __enter__(self) -> "MasterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_master(endpoint: str, state_dir: str | None, *, placement: str = "round_robin", lease_s: float = 10.0,
+               lease_max_s: float = 30.0, put_timeout_s: float = 30.0, high_watermark: float = 0.90,
+               low_watermark: float = 0.85, snapshot_every: int = 100_000, curve_keys: str | None = None,
+               log: Callable[[str], None] | None = None, ready: Callable[[str], None] | None = None) -> int:
+    """Serve a Master on ``endpoint`` until SIGTERM/SIGINT; ``ready(bound endpoint)`` once it listens.
+    Returns 0 after a clean stop (journal synced, snapshot written)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    master = Master(WallClock(), state_dir, lease_s=lease_s, lease_max_s=lease_max_s, put_timeout_s=put_timeout_s,
+                    high_watermark=high_watermark, low_watermark=low_watermark, placement=placement,
+                    snapshot_every=snapshot_every, log=log)
+    try:
+        server = serve_master(master, endpoint, curve_keys=curve_keys, log=log)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: server.stop())
+        (ready or (lambda ep: print(f"master: serving on {ep}", flush=True)))(server.endpoint)
+        server.serve_forever()
+    finally:
+        master.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m host_runtime.hymcache.master``: a Master on its own (``chm hymcache master`` is the CLI)."""
+    p = argparse.ArgumentParser(prog="python -m host_runtime.hymcache.master")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:0")
+    p.add_argument("--state-dir", default=None)
+    p.add_argument("--placement", choices=PLACEMENTS, default="round_robin")
+    p.add_argument("--snapshot-every", type=int, default=100_000)
+    p.add_argument("--curve-keys", default=None)
+    args = p.parse_args(argv)
+    try:
+        return run_master(args.endpoint, args.state_dir, placement=args.placement,
+                          snapshot_every=args.snapshot_every, curve_keys=args.curve_keys)
+    except ChmError as exc:
+        print(f"hymcache master: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
