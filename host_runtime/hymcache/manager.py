@@ -1,0 +1,720 @@
+"""The KV Manager: one per storage node, in front of the node's `chm serve` devices.
+
+It takes prefetch hints (a request's keys in the order the worker will consume them), resolves
+them against the Master itself (batches of 32, in order: the paper's remote-hit matching in the
+Manager) and stages the blocks stored on this node with ``chm_prefetch_object`` in that order,
+at most a window of blocks per request at once: min(``window_bytes`` worth of blocks, the
+hits), never fewer than 2 (double buffering). A device that answers EBUSY (its prefetch window or
+handles are full) leaves the block queued; it is issued again at the next progress (a release, a
+hint, the server's tick), never failed. A worker gets a ``ReadToken`` per staged block
+(``acquire``), reads it (libchm directly on the same machine, ``read`` over ZeroMQ from another
+one) and gives it back (``release``), which moves the window on.
+
+A request's prefetches are cancelled (handles released) on ``finish``, when nothing touched it
+for ``request_timeout_s`` on the injected clock, and when its worker disconnects: the served
+Manager watches its ROUTER socket's monitor for DISCONNECTED events and maps each caller's ZeroMQ
+routing id to the socket fd its messages came in on (``zmq.SRCFD``). A request remembers every
+connection that used it (the worker's Lookup hints on one, its reads come on another) and is
+cancelled when the last of them closes. A worker whose process dies has its TCP/IPC connections
+closed by the kernel, so its requests go at once; the timeout is the backstop for a worker that
+hangs with a connection open.
+
+State is guarded by one lock: the served Manager (its RpcServer thread) and in-process callers
+(other threads) may share one KVManager. libchm handles are one thread's at a time, which the lock
+also guarantees.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import statistics
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable
+
+import zmq
+import zmq.utils.monitor
+
+import libchm
+from driver.errors import ChmError
+from host_runtime.hymcache.clock import Clock, WallClock
+from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc, DeviceInfo, ReadToken, to
+from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer
+
+LOOKUP_BATCH = 32              # keys per Master lookup, as the worker's Lookup
+WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
+MIN_WINDOW_BLOCKS = 2          # double buffering, whatever the block size
+REQUEST_TIMEOUT_S = 30.0
+MAX_HINT_KEYS = 1 << 16        # 65536 blocks: far past any context (bounds one call's work)
+MAX_REQUEST_ID = 256           # characters
+WAIT_STEP_S = 0.002            # how often a blocked acquire looks again (a poll interval, not a deadline)
+
+MANAGER_METHODS = ("hint", "acquire", "read", "write", "release", "finish", "touch", "progress", "stats", "devices")
+
+
+def _check_request_id(request_id) -> str:
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_REQUEST_ID:
+        raise ChmError(errno.EINVAL, f"request_id {request_id!r} must be a str of 1 to {MAX_REQUEST_ID} characters")
+    return request_id
+
+
+def _check_key(key, name: str = "key") -> bytes:
+    if isinstance(key, memoryview):
+        key = key.tobytes()
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        shown = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ChmError(errno.EINVAL, f"{name} must be {KEY_BYTES} bytes, got {shown}")
+    return bytes(key)
+
+
+def _check_keys(keys) -> list[bytes]:
+    if not isinstance(keys, (list, tuple)) or not 1 <= len(keys) <= MAX_HINT_KEYS:
+        shown = f"{len(keys)} keys" if isinstance(keys, (list, tuple)) else type(keys).__name__
+        raise ChmError(errno.EINVAL, f"keys must be a list of 1 to {MAX_HINT_KEYS} keys, got {shown}")
+    return [_check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+
+
+def _check_int(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ChmError(errno.EINVAL, f"{name} {value!r} is outside the allowed range: an integer in [{low}, {high}]")
+    return value
+
+
+def _check_seconds(name: str, value, allow_zero: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        value >= 0 if allow_zero else value > 0) and value < float("inf")
+    if not ok:  # NaN fails too
+        raise ChmError(errno.EINVAL, f"{name} {value!r} is outside the allowed range: seconds in "
+                                     f"{'[0' if allow_zero else '(0'}, inf)")
+    return float(value)
+
+
+def node_path(device_node: str) -> str:
+    """The path a worker on this machine opens with libchm (a bare name lives in /dev/shm, as chm serve puts it)."""
+    return device_node if "/" in device_node else os.path.join("/dev/shm", device_node)
+
+
+# Block states, in the order a block goes through them.
+QUEUED, ISSUED, STAGED, RELEASED, FAILED = "queued", "issued", "staged", "released", "failed"
+
+
+class _Block:
+    __slots__ = ("loc", "state", "handle", "error")
+
+    def __init__(self, loc: BlockLoc):
+        self.loc, self.state, self.handle, self.error = loc, QUEUED, 0, None
+
+
+class _Request:
+    __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers")
+
+    def __init__(self, request_id: str, caller, now: float):
+        self.request_id, self.touched = request_id, now
+        self.callers = set() if caller is None else {caller}  # connections that used it (over ZeroMQ)
+        self.blocks: list[_Block] = []     # this node's hits, in consumption order
+        self.by_key: dict[bytes, _Block] = {}
+        self.next_issue = 0                # blocks before it are issued (or failed)
+        self.held = 0                      # issued or staged, not released: at most `window`
+        self.window = MIN_WINDOW_BLOCKS
+
+
+class KVManager:
+    """The KV Manager of storage node ``node``: its devices are the ``chm serve`` nodes ``device_nodes``.
+
+    ``master`` is a Master (in process) or a MasterClient; ``clock`` times request timeouts and
+    acquire deadlines. ``window_bytes`` bounds each request's staged blocks (min 2 blocks).
+    """
+
+    def __init__(self, node: int, device_nodes: list[str], master, clock: Clock, *, window_bytes: int = WINDOW_BYTES,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, endpoint: str = "", batch: int = LOOKUP_BATCH,
+                 log: Callable[[str], None] | None = None):
+        self.node = _check_int("node", node, 0, 2**31 - 1)
+        if (not isinstance(device_nodes, (list, tuple)) or not device_nodes
+                or not all(isinstance(d, str) and d for d in device_nodes)):
+            raise ChmError(errno.EINVAL, f"device_nodes {device_nodes!r} must be a non-empty list of chm serve "
+                                         "node names or paths")
+        self.window_bytes = _check_int("window_bytes", window_bytes, 1, 1 << 40)
+        self.request_timeout_s = _check_seconds("request_timeout_s", request_timeout_s, allow_zero=False)
+        self.batch = _check_int("batch", batch, 1, LOOKUP_BATCH)
+        if not isinstance(endpoint, str):
+            raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a str (a ZeroMQ address, or '' in process)")
+        for method in ("lookup", "register_node"):
+            if not callable(getattr(master, method, None)):
+                raise ChmError(errno.EINVAL, f"master {master!r} has no {method}(): pass a Master or a MasterClient")
+        self.master, self.clock, self.endpoint = master, clock, endpoint
+        self.log = log or (lambda msg: None)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._caller = None    # set by the served Manager around each call: who is calling
+        self.handles: list[libchm.Device] = []  # one libchm handle per device, in device order
+        self.requests: OrderedDict[str, _Request] = OrderedDict()   # oldest first: issued first
+        try:
+            for name in device_nodes:
+                self.handles.append(libchm.Device(node_path(name)))
+        except ChmError:
+            self.close()
+            raise
+        self.infos = [DeviceInfo(device=i, node_path=node_path(name), capacity_bytes=dev.info()["capacity_bytes"],
+                                 epoch=dev.info()["device_epoch"])
+                      for i, (name, dev) in enumerate(zip(device_nodes, self.handles))]
+        self.counters = dict.fromkeys((
+            "hints", "hinted_keys", "hint_hits", "hint_other_node", "num_retrieve_requests", "num_hit_tokens",
+            "prefetches", "ebusy", "unfit", "releases", "num_load_errors", "finished", "num_timeouts_recompute",
+            "cancelled_disconnect", "remote_reads", "remote_read_bytes", "remote_writes", "remote_write_bytes",
+            "write_refused"), 0)
+        self.device_counters = [dict.fromkeys(("prefetches", "prefetch_bytes", "ebusy", "read_bytes",
+                                               "written_bytes", "write_refused"), 0) for _ in self.handles]
+        self.held_bytes = [0] * len(self.handles)
+        self.window_bytes_max = 0
+        self.handles_max = 0
+        try:
+            self.register(endpoint)
+        except BaseException:  # the Master unreachable or refusing: detach from the devices again
+            self.close()
+            raise
+
+    # ---- registration --------------------------------------------------------------
+    def register(self, endpoint: str | None = None) -> None:
+        """Announce this node and its devices to the Master (again, e.g. once the server knows its port)."""
+        with self._lock:
+            if endpoint is not None:
+                self.endpoint = endpoint
+            self.master.register_node(self.node, self.endpoint, list(self.infos))
+
+    # ---- hints ---------------------------------------------------------------------
+    def hint(self, request_id: str, keys: list[bytes]) -> int:
+        """Stage ``keys``' blocks stored on this node, in this order, a window at a time; how many it will stage
+        (a block the device then fails to stage reports its error at ``acquire``)."""
+        request_id, keys = _check_request_id(request_id), _check_keys(keys)
+        with self._lock:
+            if request_id in self.requests:
+                raise ChmError(errno.EEXIST, f"request_id {request_id!r} already has a hint here; finish() it first")
+            req = _Request(request_id, self._caller, self.clock.now())
+            self.requests[request_id] = req
+            self.counters["hints"] += 1
+            self.counters["hinted_keys"] += len(keys)
+            try:
+                for start in range(0, len(keys), self.batch):
+                    batch = keys[start:start + self.batch]
+                    found = self.master.lookup(batch)
+                    self._add_hits(req, found)
+                    self._issue(req)  # the first blocks go to the device before the next batch is resolved
+                    if len(found) < len(batch):
+                        break  # the stored prefix ends in this batch
+            except Exception:
+                self._cancel(req)  # the Master unreachable (or a bad answer): nothing of this request stays held
+                raise
+            self._changed.notify_all()
+            return len(req.blocks)
+
+    def _add_hits(self, req: _Request, found: list) -> None:
+        for loc in found:
+            loc = loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc)
+            self.counters["hint_hits"] += 1
+            if loc.node != self.node or not 0 <= loc.device < len(self.handles):
+                self.counters["hint_other_node"] += 1  # another node's Manager stages it (Lookup hints it too)
+                continue
+            if loc.key in req.by_key:
+                continue
+            if not req.blocks:  # the window in blocks follows the request's block size
+                req.window = max(MIN_WINDOW_BLOCKS, self.window_bytes // loc.length)
+            block = _Block(loc)
+            req.blocks.append(block)
+            req.by_key[loc.key] = block
+
+    # ---- the window ----------------------------------------------------------------
+    def _issue(self, req: _Request, busy: set | None = None) -> None:
+        """Prefetch ``req``'s next blocks, in order, while its window has room and the device takes them."""
+        busy = set() if busy is None else busy
+        while req.next_issue < len(req.blocks) and req.held < req.window:
+            block = req.blocks[req.next_issue]
+            dev_index = block.loc.device
+            if dev_index in busy:
+                return  # EBUSY on this device in this pass: keep the order, try at the next progress
+            try:
+                block.handle = self.handles[dev_index].prefetch(block.loc.offset, block.loc.length)
+            except ChmError as exc:
+                if exc.errno == errno.EBUSY:
+                    busy.add(dev_index)
+                    self.counters["ebusy"] += 1
+                    self.device_counters[dev_index]["ebusy"] += 1
+                    return
+                if exc.errno == errno.EINVAL and "never fit" in exc.message:
+                    # Larger than the device's whole prefetch window: served unstaged (a plain DRAM-path read).
+                    self.counters["unfit"] += 1
+                    block.state, block.handle = STAGED, 0
+                else:
+                    block.state, block.error = FAILED, exc
+                    self.counters["num_load_errors"] += 1
+                req.next_issue += 1
+                continue
+            block.state = ISSUED
+            req.next_issue += 1
+            req.held += 1
+            self.held_bytes[dev_index] += block.loc.length
+            self.counters["prefetches"] += 1
+            self.device_counters[dev_index]["prefetches"] += 1
+            self.device_counters[dev_index]["prefetch_bytes"] += block.loc.length
+        self.window_bytes_max = max(self.window_bytes_max, sum(self.held_bytes))
+        self.handles_max = max(self.handles_max, sum(r.held for r in self.requests.values()))
+
+    def progress(self) -> None:
+        """Cancel requests past their timeout; move every window on (oldest request first)."""
+        with self._lock:
+            now = self.clock.now()
+            for req in [r for r in self.requests.values() if now - r.touched > self.request_timeout_s]:
+                self.log(f"request {req.request_id}: untouched for {now - req.touched:.3g} s, cancelled")
+                self.counters["num_timeouts_recompute"] += 1
+                self._cancel(req)
+            busy: set[int] = set()
+            for req in self.requests.values():
+                self._issue(req, busy)
+            self._changed.notify_all()
+
+    # ---- blocks to workers ---------------------------------------------------------
+    def _block(self, request_id: str, key: bytes) -> tuple[_Request, _Block]:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ChmError(errno.ENOENT, f"request_id {request_id!r} has no hint here (never hinted, finished, "
+                                         "timed out or its worker disconnected)")
+        block = req.by_key.get(key)
+        if block is None:
+            raise ChmError(errno.ENOENT, f"key {key.hex()} is not a hit of request {request_id!r} on node "
+                                         f"{self.node} (not stored here, or past the stored prefix)")
+        self._touch(req)
+        return req, block
+
+    def _touch(self, req: _Request) -> None:
+        req.touched = self.clock.now()
+        if self._caller is not None:
+            req.callers.add(self._caller)
+
+    def acquire(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> ReadToken:
+        """A read token once ``key``'s block is staged in device DRAM; ETIMEDOUT past ``timeout_s`` (the clock)."""
+        request_id, key = _check_request_id(request_id), _check_key(key)
+        timeout_s = _check_seconds("timeout_s", timeout_s)
+        with self._lock:
+            deadline = self.clock.now() + timeout_s
+            while True:
+                req, block = self._block(request_id, key)
+                if block.state == QUEUED:
+                    self.progress()
+                if block.state == ISSUED:
+                    try:
+                        self.handles[block.loc.device].wait(block.handle)
+                    except ChmError as exc:
+                        self._drop(req, block)
+                        block.state, block.error = FAILED, exc
+                        self.counters["num_load_errors"] += 1
+                    else:
+                        block.state = STAGED
+                if block.state == STAGED:
+                    self.counters["num_hit_tokens"] += 1
+                    self.counters["num_retrieve_requests"] += 1
+                    loc = block.loc
+                    return ReadToken(request_id, key, self.node, loc.device, loc.offset, loc.length, loc.checksum,
+                                     block.handle)
+                if block.state == FAILED:
+                    raise ChmError(block.error.errno, f"block {key.hex()} of request {request_id!r}: "
+                                                      f"{block.error.message}")
+                if block.state == RELEASED:
+                    raise ChmError(errno.ENOENT, f"block {key.hex()} of request {request_id!r} was released")
+                # QUEUED: behind this request's window or the device's (EBUSY). Others' releases move it.
+                if self.clock.now() >= deadline:
+                    why = (f"its window of {req.window} blocks is held: release earlier blocks"
+                           if req.held >= req.window else "the device's prefetch window is busy (EBUSY)")
+                    raise ChmError(errno.ETIMEDOUT, f"block {key.hex()} of request {request_id!r} not staged "
+                                                    f"within {timeout_s:g} s (queued: {why})")
+                self._changed.wait(WAIT_STEP_S)
+
+    def read(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> Payload:
+        """The remote path: the token's fields and the block's bytes as one zero-copy frame."""
+        with self._lock:
+            token = self.acquire(request_id, key, timeout_s)
+            data = bytearray(token.length)  # a fresh buffer per block: ZeroMQ sends it after we return
+            dev = self.handles[token.device]
+            dev.read_into(token.offset, data)
+            self.counters["remote_reads"] += 1
+            self.counters["remote_read_bytes"] += token.length
+            self.device_counters[token.device]["read_bytes"] += token.length
+            return Payload(token, [data])
+
+    def write(self, device: int, offset: int, payload: list | None = None) -> int:
+        """The remote write path: one frame's bytes at ``offset`` of ``device`` (from a WriteLoc).
+        EAGAIN (write buffer full) and ENOSPC pass through: the worker skips the block."""
+        with self._lock:
+            device = _check_int("device", device, 0, len(self.handles) - 1)
+            if not payload or len(payload) != 1:
+                raise ChmError(errno.EINVAL, f"payload must be exactly one frame (the block), got "
+                                             f"{len(payload or ())}")
+            data = payload[0]
+            try:
+                n = self.handles[device].write(offset, data)
+            except ChmError as exc:
+                if exc.errno in (errno.EAGAIN, errno.ENOSPC):
+                    self.counters["write_refused"] += 1
+                    self.device_counters[device]["write_refused"] += 1
+                raise
+            self.counters["remote_writes"] += 1
+            self.counters["remote_write_bytes"] += n
+            self.device_counters[device]["written_bytes"] += n
+            return n
+
+    def release(self, request_id: str, key: bytes) -> bool:
+        """Give a token back: its handle is released and the window moves on. False if already gone."""
+        request_id, key = _check_request_id(request_id), _check_key(key)
+        with self._lock:
+            if request_id not in self.requests:
+                return False  # finished or cancelled already: its handles went with it
+            req, block = self._block(request_id, key)
+            if block.state in (RELEASED, FAILED) or (block.state == STAGED and block.handle == 0):
+                block.state = RELEASED if block.state != FAILED else FAILED
+                return False
+            if block.state == QUEUED:
+                raise ChmError(errno.EINVAL, f"key {key.hex()} of request {request_id!r} was never acquired "
+                                             "(still queued)")
+            self._drop(req, block)
+            self.progress()
+            return True
+
+    def _drop(self, req: _Request, block: _Block) -> None:
+        """Release ``block``'s device handle (the device may be gone: the handle went with it)."""
+        if block.state in (ISSUED, STAGED) and block.handle:
+            try:
+                self.handles[block.loc.device].release(block.handle)
+            except ChmError as exc:
+                self.log(f"release of handle {block.handle} on device {block.loc.device}: {exc}")
+            req.held -= 1
+            self.held_bytes[block.loc.device] -= block.loc.length
+            self.counters["releases"] += 1
+        block.state = RELEASED
+
+    def _cancel(self, req: _Request) -> int:
+        held = req.held
+        for block in req.blocks:
+            if block.state in (ISSUED, STAGED):
+                self._drop(req, block)
+        self.requests.pop(req.request_id, None)
+        self._changed.notify_all()
+        return held
+
+    def finish(self, request_id: str) -> int:
+        """The request is done: cancel what is left of it; how many handles that released."""
+        request_id = _check_request_id(request_id)
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return 0
+            self.counters["finished"] += 1
+            released = self._cancel(req)
+            self.progress()
+            return released
+
+    def touch(self, request_ids: list[str]) -> int:
+        """Keep requests alive (a worker busy between acquires); how many were still here."""
+        if not isinstance(request_ids, (list, tuple)):
+            raise ChmError(errno.EINVAL, f"request_ids must be a list of request ids, not {type(request_ids).__name__}")
+        with self._lock:
+            alive = 0
+            for rid in request_ids:
+                req = self.requests.get(_check_request_id(rid))
+                if req is not None:
+                    self._touch(req)
+                    alive += 1
+            return alive
+
+    def caller_gone(self, caller) -> int:
+        """A connection closed: cancel the requests no other live connection has used; how many."""
+        with self._lock:
+            gone = []
+            for req in self.requests.values():
+                if caller in req.callers:
+                    req.callers.discard(caller)
+                    if not req.callers:
+                        gone.append(req)
+            for req in gone:
+                self.log(f"request {req.request_id}: its worker disconnected, cancelled")
+                self.counters["cancelled_disconnect"] += 1
+                self._cancel(req)
+            if gone:
+                self.progress()
+            return len(gone)
+
+    # ---- figures -------------------------------------------------------------------
+    def devices(self) -> list[DeviceInfo]:
+        """This node's devices, as registered with the Master."""
+        return list(self.infos)
+
+    def stats(self) -> dict:
+        with self._lock:
+            per_device = []
+            for info, counters, held in zip(self.infos, self.device_counters, self.held_bytes):
+                per_device.append({"node": self.node, "device": info.device, "node_path": info.node_path,
+                                   "capacity_bytes": info.capacity_bytes, "staged_bytes": held, **counters})
+            return {**self.counters, "node": self.node, "requests": len(self.requests),
+                    "prefetch_window_bytes": sum(self.held_bytes), "prefetch_window_bytes_max": self.window_bytes_max,
+                    "handles_held": sum(r.held for r in self.requests.values()), "handles_held_max": self.handles_max,
+                    "queued_blocks": sum(len(r.blocks) - r.next_issue for r in self.requests.values()),
+                    "window_bytes": self.window_bytes, "devices": per_device}
+
+    def close(self) -> None:
+        with self._lock:
+            for req in list(self.requests.values()):
+                self._cancel(req)
+            for dev in self.handles:
+                dev.close()
+            self.handles = []
+
+    def __enter__(self) -> "KVManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- served over ZeroMQ ---------------------------------------------------------------
+class _Served:
+    """What the server exposes: the Manager's methods, with the caller's identity set around each call."""
+
+    def __init__(self, manager: KVManager):
+        self.manager = manager
+
+    def __getattr__(self, name):
+        if name == "acquire":  # over ZeroMQ a call never blocks the server: the client polls
+            return lambda request_id, key, timeout_s=0.0: self.manager.acquire(request_id, key, 0.0)
+        if name == "read":
+            return lambda request_id, key, timeout_s=0.0: self.manager.read(request_id, key, 0.0)
+        return getattr(self.manager, name)
+
+
+class ManagerServer(RpcServer):
+    """An RpcServer that also notices callers whose connection closed (see the module docstring)."""
+
+    def __init__(self, manager: KVManager, endpoint: str, *, curve_keys: str | None = None, tick_s: float = 0.02,
+                 log: Callable[[str], None] | None = None):
+        super().__init__(_Served(manager), MANAGER_METHODS, endpoint, tick=manager.progress, tick_s=tick_s,
+                         curve_keys=curve_keys, log=log)
+        self.manager = manager
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.callers_by_fd: dict[int, set[bytes]] = {}
+        if not manager.endpoint:  # registered in process so far: now workers can reach it here
+            manager.register(self.endpoint)
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(int(self.tick_s * 1000)):
+                    self._disconnects()  # first: an fd closed before a new connection reused it
+                    while self.sock.poll(0):
+                        frames = self.sock.recv_multipart(copy=False)
+                        if len(frames) >= 3:
+                            caller = frames[0].bytes
+                            self.manager._caller = caller
+                            try:
+                                fd = frames[1].get(zmq.SRCFD)
+                            except zmq.ZMQError:  # a libzmq without it: the request timeout still cancels
+                                fd = None
+                            if fd is not None:
+                                self.callers_by_fd.setdefault(fd, set()).add(caller)
+                        try:
+                            self._answer(frames)
+                        finally:
+                            self.manager._caller = None
+                if self.tick is not None:
+                    self.tick()
+        finally:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.sock.close(0)
+
+    def _disconnects(self) -> None:
+        while self.monitor.poll(0):
+            event = zmq.utils.monitor.recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                for caller in self.callers_by_fd.pop(int(event["value"]), ()):
+                    self.manager.caller_gone(caller)
+
+
+def serve_manager(manager: KVManager, endpoint: str, curve_keys: str | None = None, **kwargs) -> ManagerServer:
+    """A server for ``manager`` bound to ``endpoint`` (registered with the Master under the bound address
+    unless the Manager was given one to advertise);
+    run ``serve_forever()`` in a thread or as the main loop, ``stop()`` to end it."""
+    return ManagerServer(manager, endpoint, curve_keys=curve_keys, **kwargs)
+
+
+class ManagerClient:
+    """A KV Manager over ZeroMQ, the same methods (one thread at a time, like RpcClient).
+
+    ``acquire``/``read`` poll the server (which never blocks on them) until ``timeout_s`` passes on ``clock``."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, *, curve_keys: str | None = None,
+                 clock: Clock | None = None, poll_s: float = 0.001):
+        self.rpc = RpcClient(endpoint, timeout_s, curve_keys=curve_keys)
+        self.endpoint, self.clock = endpoint, clock or WallClock()
+        self.poll_s = _check_seconds("poll_s", poll_s, allow_zero=False)
+
+    def hint(self, request_id: str, keys: list[bytes]) -> int:
+        return self.rpc.call("hint", request_id, list(keys))
+
+    def _poll(self, method: str, request_id: str, key: bytes, timeout_s: float):
+        timeout_s = _check_seconds("timeout_s", timeout_s)
+        deadline = self.clock.now() + timeout_s
+        while True:
+            try:
+                return self.rpc.call(method, request_id, key, frames=True)
+            except RemoteError as exc:
+                if exc.errno != errno.ETIMEDOUT or self.clock.now() >= deadline:
+                    raise
+            time.sleep(self.poll_s)
+
+    def acquire(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> ReadToken:
+        result, _ = self._poll("acquire", request_id, key, timeout_s)
+        return to(ReadToken, result)
+
+    def read(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> tuple[ReadToken, memoryview]:
+        """The token and the block's bytes (a view of the received frame: no copy)."""
+        result, frames = self._poll("read", request_id, key, timeout_s)
+        return to(ReadToken, result), frames[0]
+
+    def write(self, device: int, offset: int, data) -> int:
+        return self.rpc.call("write", device, offset, payload=[data])
+
+    def release(self, request_id: str, key: bytes) -> bool:
+        return self.rpc.call("release", request_id, key)
+
+    def finish(self, request_id: str) -> int:
+        return self.rpc.call("finish", request_id)
+
+    def touch(self, request_ids: list[str]) -> int:
+        return self.rpc.call("touch", list(request_ids))
+
+    def progress(self) -> None:
+        self.rpc.call("progress")
+
+    def stats(self) -> dict:
+        return self.rpc.call("stats")
+
+    def devices(self) -> list[DeviceInfo]:
+        return to(list[DeviceInfo], self.rpc.call("devices"))
+
+    def close(self) -> None:
+        self.rpc.close()
+
+    def __enter__(self) -> "ManagerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_manager(node: int, device_nodes: list[str], master_endpoint: str, endpoint: str = "tcp://127.0.0.1:0", *,
+                window_bytes: int = WINDOW_BYTES, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                curve_keys: str | None = None, master_timeout_s: float = 10.0,
+                on_ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
+                log: Callable[[str], None] | None = None) -> int:
+    """`chm hymcache manager`: serve node ``node``'s devices until SIGINT/SIGTERM (or ``stop``); 0 when stopped.
+
+    ``on_ready(endpoint)`` is called once the Manager is registered and bound (the CLI prints it)."""
+    from host_runtime.hymcache.master import MasterClient  # the Master's module: imported when a Manager runs
+
+    master = MasterClient(master_endpoint, timeout_s=master_timeout_s, curve_keys=curve_keys)
+    manager = KVManager(node, device_nodes, master, WallClock(), window_bytes=window_bytes,
+                        request_timeout_s=request_timeout_s, endpoint="", log=log)
+    try:
+        server = serve_manager(manager, endpoint, curve_keys, log=log)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: server.stop())
+        if stop is not None:
+            threading.Thread(target=lambda: (stop.wait(), server.stop()), daemon=True).start()
+        if on_ready is not None:
+            on_ready(server.endpoint)
+        server.serve_forever()
+    finally:
+        manager.close()
+        master.close()
+    return 0
+
+
+# ---- the per-block cost of the two read paths (bench_hymcache calls this) ------------------
+def measure_block_paths(master, device_node: str, *, block_bytes: int = 16 << 20, repeat: int = 8,
+                        manager_endpoint: str | None = None) -> dict:
+    """Seconds per block (medians of ``repeat``, the contenders interleaved) for one stored block of
+    ``block_bytes``, on the device's machine:
+
+    * ``stage_s``: hint → acquire: the Manager prefetches the block from flash into device DRAM
+      (the same for both paths);
+    * ``local_s``: a worker on the device's machine reads the staged block with libchm ``read_into``
+      its zero-copy staging buffer; ``local_checked_s`` adds the xxh3 checksum;
+    * ``zmq_s``: a worker elsewhere gets it through the Manager over ZeroMQ (``read``: one call, the
+      block a zero-copy frame); ``zmq_checked_s`` adds the checksum;
+    * ``local_total_s`` / ``zmq_total_s``: the whole per-block cycle, hint → acquire → read (checked)
+      → release → finish.
+
+    ``master``: a Master in process (or a MasterClient). With ``manager_endpoint`` None a KVManager is
+    served from a thread of this process on ``device_node``; else that running Manager is used. The
+    block is stored through the Master first (put_start → libchm write → flush → put_end).
+    """
+    import xxhash
+
+    block_bytes = _check_int("block_bytes", block_bytes, 1, 1 << 30)
+    repeat = _check_int("repeat", repeat, 1, 1000)
+    key = os.urandom(KEY_BYTES)
+    data = os.urandom(block_bytes)
+    manager = server = thread = None
+    if manager_endpoint is None:
+        manager = KVManager(0, [device_node], master, WallClock())
+        server = serve_manager(manager, "tcp://127.0.0.1:0")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        manager_endpoint = server.endpoint
+    times: dict[str, list[float]] = {name: [] for name in (
+        "stage_s", "local_s", "local_checked_s", "zmq_s", "zmq_checked_s", "local_total_s", "zmq_total_s")}
+    try:
+        loc, = master.put_start(f"bench-put-{key.hex()}", [key], [block_bytes])
+        with libchm.Device(node_path(device_node), staging_bytes=max(block_bytes, 1 << 20)) as dev, \
+                ManagerClient(manager_endpoint) as client:
+            dev.write(loc.offset, data)
+            dev.flush()  # on the media, as a block of an earlier turn
+            master.put_end([key], [xxhash.xxh3_64_intdigest(data)])
+            view = dev.buffer()[:block_bytes]
+            for i in range(repeat):
+                for path in ("local", "zmq"):
+                    rid = f"bench-{key.hex()}-{i}-{path}"
+                    t0 = time.perf_counter()
+                    client.hint(rid, [key])
+                    token = client.acquire(rid, key)
+                    t1 = time.perf_counter()
+                    for checked in (False, True):
+                        t2 = time.perf_counter()
+                        if path == "local":
+                            dev.read_into(token.offset, view)
+                            block = view
+                        else:
+                            token, block = client.read(rid, key)
+                        if checked and xxhash.xxh3_64_intdigest(block) != token.checksum:
+                            raise ChmError(errno.EIO, f"{path} read of block {key.hex()}: checksum mismatch")
+                        times[f"{path}_checked_s" if checked else f"{path}_s"].append(time.perf_counter() - t2)
+                    client.release(rid, key)
+                    client.finish(rid)
+                    t3 = time.perf_counter()
+                    times["stage_s"].append(t1 - t0)
+                    # the cycle once: staging, one checked read, release (the unchecked read left out)
+                    times[f"{path}_total_s"].append(t3 - t0 - times[f"{path}_s"][-1])
+            del view, block
+        master.remove([key])
+    finally:
+        if server is not None:
+            server.stop()
+            thread.join(timeout=10)
+            manager.close()
+    out: dict = {name: statistics.median(v) for name, v in times.items()}
+    out.update({name[:-2] + "_gbps": block_bytes / out[name] / 1e9 for name in times})
+    out["block_bytes"], out["repeat"] = block_bytes, repeat
+    return out

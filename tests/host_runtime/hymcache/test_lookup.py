@@ -1,0 +1,249 @@
+"""Lookup: batches of at most 32 keys to the Master, a hint to each node's Manager as soon as a hit
+names it (before the next batch), non-blocking start/poll, deadlines on the injected clock."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+import xxhash
+
+import libchm
+from driver.errors import ChmError
+from host_runtime.hymcache.clock import ManualClock, WallClock
+from host_runtime.hymcache.lookup import Lookup
+from host_runtime.hymcache.manager import KVManager, ManagerClient, serve_manager
+from host_runtime.hymcache.master import MasterClient
+from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc
+from tests.host_runtime.hymcache.test_manager import BLOCK, PAGE, store
+
+
+def keys_(n: int) -> list[bytes]:
+    return [os.urandom(KEY_BYTES) for _ in range(n)]
+
+
+class ScriptedMaster:
+    """A unit-test stand-in for the Master's lookup: ``stored`` key -> node; records every call in ``events``."""
+
+    def __init__(self, stored: dict[bytes, int], events: list, gate: threading.Event | None = None):
+        self.stored, self.events, self.gate = stored, events, gate
+        self.fail = False
+
+    def lookup(self, keys):
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if self.fail:
+            raise ChmError(errno.ETIMEDOUT, "master gone")
+        self.events.append(("lookup", list(keys)))
+        out = []
+        for k in keys:
+            if k not in self.stored:
+                break
+            out.append(BlockLoc(k, self.stored[k], 0, 0, 4096, 0, 1))
+        return out
+
+
+class RecordingManager:
+    def __init__(self, node: int, events: list):
+        self.node, self.events = node, events
+
+    def hint(self, request_id, keys):
+        self.events.append(("hint", self.node, request_id, list(keys)))
+        return len(keys)
+
+
+def make(stored, events, gate=None, clock=None, **kwargs):
+    master = ScriptedMaster(stored, events, gate)
+    managers = {}
+    lookup = Lookup(master, lambda n: managers.setdefault(n, RecordingManager(n, events)), clock or ManualClock(),
+                    **kwargs)
+    return master, lookup
+
+
+def test_batches_of_32_in_order_and_a_hint_before_the_next_batch():
+    keys = keys_(100)
+    stored = {k: 0 for k in keys[:40]} | {k: 1 for k in keys[40:70]}  # node 0, then node 1; 70.. missing
+    events = []
+    _, lookup = make(stored, events)
+    with lookup:
+        lookup.start("r", keys)
+        found = lookup.result("r", timeout_s=0.0 + 10)
+        assert [loc.key for loc in found] == keys[:70]
+        assert [loc.node for loc in found] == [0] * 40 + [1] * 30
+        assert lookup.hinted_nodes("r") == [0, 1] and lookup.error("r") is None
+    kinds = [(e[0], len(e[-1])) if e[0] == "lookup" else (e[0], e[1], len(e[-1])) for e in events]
+    # Batch 1 names node 0: its hint (all 100 candidates, from the first hit on) goes before batch 2;
+    # batch 2 names node 1 at key 40: a hint from there on; batch 3 comes back short (key 70 is missing): done.
+    assert kinds == [("lookup", 32), ("hint", 0, 100), ("lookup", 32), ("hint", 1, 60), ("lookup", 32)]
+    assert events[0][1] == keys[:32] and events[2][1] == keys[32:64] and events[4][1] == keys[64:96]
+    assert events[1][3] == keys and events[3][3] == keys[40:]
+    stats = lookup.stats()
+    assert stats["lookup_batches"] == 3 and stats["num_lookup_hits"] == 70 and stats["hints_sent"] == 2
+
+
+def test_no_hit_no_hint():
+    events = []
+    _, lookup = make({}, events)
+    with lookup:
+        lookup.start("r", keys_(10))
+        assert lookup.result("r", 10) == []
+    assert [e[0] for e in events] == ["lookup"]
+
+
+def test_start_does_not_block_and_poll_says_in_flight():
+    keys = keys_(3)
+    events, gate = [], threading.Event()
+    _, lookup = make({k: 0 for k in keys}, events, gate)
+    with lookup:
+        lookup.start("r", keys)  # the Master has not answered (it waits for the gate)
+        assert lookup.poll("r") is None and lookup.stats()["in_flight"] == 1
+        gate.set()
+        assert [loc.key for loc in lookup.result("r", 10)] == keys
+        assert [loc.key for loc in lookup.poll("r")] == keys
+        lookup.forget("r")
+        with pytest.raises(ChmError) as e:
+            lookup.poll("r")
+        assert e.value.errno == errno.ENOENT
+
+
+def test_requests_take_turns_a_batch_at_a_time():
+    long, short = keys_(100), keys_(5)
+    events, gate = [], threading.Event()
+    _, lookup = make({k: 0 for k in long + short}, events, gate)
+    with lookup:
+        lookup.start("long", long)
+        lookup.start("short", short)
+        gate.set()
+        lookup.result("long", 10)
+        lookup.result("short", 10)
+    batches = [len(e[1]) for e in events if e[0] == "lookup"]
+    assert batches == [32, 5, 32, 32, 4]  # the short request did not wait for the whole long one
+
+
+def test_the_deadline_reads_the_clock():
+    keys = keys_(64)
+    events, gate, clock = [], threading.Event(), ManualClock()
+    _, lookup = make({k: 0 for k in keys}, events, gate, clock, timeout_s=5)
+    with lookup:
+        lookup.start("r", keys)
+        ticker = threading.Thread(target=lambda: [time.sleep(0.01) or clock.advance(1) for _ in range(3)])
+        ticker.start()
+        with pytest.raises(ChmError) as e:
+            lookup.result("r", timeout_s=2)  # the Master is stuck: the wait ends on the clock
+        ticker.join()
+        assert e.value.errno == errno.ETIMEDOUT
+        clock.advance(10)  # past the lookup's own 5 s: after the stuck batch, the rest is given up
+        gate.set()
+        found = lookup.result("r", 10)
+        assert len(found) == 32 and lookup.error("r").errno == errno.ETIMEDOUT
+        assert lookup.stats()["lookup_timeouts"] == 1
+
+
+def test_a_failing_master_ends_the_lookup_with_what_was_found():
+    keys = keys_(64)
+    events = []
+    master, lookup = make({k: 0 for k in keys}, events)
+    with lookup:
+        master.fail = True
+        lookup.start("r", keys)
+        assert lookup.result("r", 10) == [] and lookup.error("r").errno == errno.ETIMEDOUT
+        assert lookup.stats()["lookup_errors"] == 1
+
+
+def test_a_failing_manager_does_not_stop_the_lookup():
+    keys = keys_(40)
+    events = []
+
+    def unreachable(node):
+        raise ChmError(errno.ETIMEDOUT, f"node {node}: no answer")
+
+    with Lookup(ScriptedMaster({k: 0 for k in keys}, events), unreachable, ManualClock()) as lookup:
+        lookup.start("r", keys)
+        assert [loc.key for loc in lookup.result("r", 10)] == keys  # the worker learns the hits all the same
+        assert lookup.error("r") is None
+        assert lookup.stats()["hint_errors"] == 1 and lookup.stats()["hints_sent"] == 0
+
+
+def test_inputs_are_checked_and_named():
+    _, lookup = make({}, [])
+    with lookup:
+        for call, words in [(lambda: lookup.start("", keys_(1)), "request_id"),
+                            (lambda: lookup.start("r", [b"x"]), "keys[0] must be 16 bytes"),
+                            (lambda: lookup.result("r", -1), "timeout_s -1"),
+                            (lambda: Lookup(ScriptedMaster({}, []), None, ManualClock(), batch=33), "batch 33"),
+                            (lambda: Lookup(ScriptedMaster({}, []), None, ManualClock(), timeout_s=0), "timeout_s 0"),
+                            (lambda: Lookup(42, None, ManualClock()), "master 42")]:
+            with pytest.raises(ChmError) as e:
+                call()
+            assert e.value.errno == errno.EINVAL and words in e.value.message, (words, e.value.message)
+        lookup.start("r", keys_(1))
+        with pytest.raises(ChmError) as e:
+            lookup.start("r", keys_(1))
+        assert e.value.errno == errno.EEXIST
+
+
+# ---- the real pieces: a Master process, two nodes' Managers, over ZeroMQ ---------------------------
+@pytest.fixture
+def two_nodes(tmp_path):
+    from tests.driver.serving import Server
+    from tests.host_runtime.hymcache.test_manager import spawn
+
+    master_proc, master_ep = spawn(["-m", "host_runtime.hymcache.master", "--endpoint", "tcp://127.0.0.1:0"],
+                                   "master: serving on")
+    servers, managers, threads = [], [], []
+    try:
+        for node in (0, 1):
+            srv = Server(tmp_path / f"media{node}")
+            servers.append(srv)
+            mgr = KVManager(node, [srv.node], MasterClient(master_ep), WallClock(), window_bytes=2 * BLOCK)
+            server = serve_manager(mgr, "tcp://127.0.0.1:0")
+            thread = threading.Thread(target=server.serve_forever, daemon=True)
+            thread.start()
+            managers.append((mgr, server))
+            threads.append(thread)
+        yield master_ep, managers, {node: str(srv.path) for node, srv in enumerate(servers)}
+    finally:
+        for (mgr, server), thread in zip(managers, threads):
+            server.stop()
+            thread.join(10)
+            mgr.close()
+            mgr.master.close()
+        for srv in servers:
+            srv.stop()
+        master_proc.terminate()
+        master_proc.wait(30)
+        master_proc.stdout.close()
+        master_proc.stderr.close()
+
+
+def test_lookup_hints_each_node_and_the_managers_stage_the_blocks(two_nodes):
+    master_ep, managers, paths = two_nodes
+    stored = []
+    with MasterClient(master_ep) as master:
+        for node in (0, 1):  # round robin: the first request's blocks on node 0, the second's on node 1
+            keys, data, _ = store(master, {0: paths[node]}, 5 if node == 0 else 4, tag=str(node))
+            assert {loc.node for loc in master.lookup(keys)} == {node}
+            stored.append((keys, data))
+    (keys0, data0), (keys1, data1) = stored
+    missing = os.urandom(KEY_BYTES)
+    with Lookup(master_ep, None, WallClock()) as lookup:  # its own MasterClient and ManagerClients
+        lookup.start("req", keys0 + keys1 + [missing])
+        found = lookup.result("req", 10)
+        assert [loc.key for loc in found] == keys0 + keys1
+        assert lookup.hinted_nodes("req") == [0, 1] and lookup.error("req") is None
+        # Each node's Manager got the hint and staged its own blocks, a window (2) at a time.
+        assert [mgr.stats()["hints"] for mgr, _ in managers] == [1, 1]
+        assert [mgr.stats()["handles_held"] for mgr, _ in managers] == [2, 2]
+        with libchm.Device(paths[0]) as d0, libchm.Device(paths[1]) as d1:
+            assert d0.stats()["prefetch_pages_held"] == d1.stats()["prefetch_pages_held"] == 2 * BLOCK // PAGE
+        for (mgr, server), keys, data in zip(managers, (keys0, keys1), (data0, data1)):
+            with ManagerClient(server.endpoint) as worker:
+                for key, block in zip(keys, data):
+                    token, frame = worker.read("req", key)
+                    assert bytes(frame) == block and xxhash.xxh3_64_intdigest(frame) == token.checksum
+                    worker.release("req", key)
+                assert worker.finish("req") == 0
+        assert [mgr.stats()["prefetches"] for mgr, _ in managers] == [5, 4]

@@ -1,0 +1,455 @@
+"""The KV Manager against real `chm serve` devices: hints resolved in order, prefetch in a bounded
+window, EBUSY queued, tokens, cancellation (finish, timeout, disconnect), the local (libchm) and
+remote (ZeroMQ) read paths and the remote write path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import xxhash
+
+import libchm
+from driver.errors import ChmError
+from host_runtime.hymcache.clock import ManualClock, WallClock
+from host_runtime.hymcache.manager import KVManager, ManagerClient, measure_block_paths, serve_manager
+from host_runtime.hymcache.master import Master, MasterClient
+from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
+from tests.driver.serving import ROOT, Server
+from tests.emulator.media_trouble import DEVICE_WRITE_BYTES, FAULT_OVERRIDES, HOLD_WRITES
+
+PAGE = 64 << 10
+BLOCK = 2 * PAGE  # small blocks: many of them in the small profile's 64 MiB prefetch window
+
+
+class RecordingMaster:
+    """The real Master, with each lookup's batch recorded (a spy: every call goes to the Master)."""
+
+    def __init__(self, master: Master):
+        self.master, self.batches = master, []
+
+    def lookup(self, keys):
+        self.batches.append(list(keys))
+        return self.master.lookup(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.master, name)
+
+
+def store(master, paths: dict[int, str], nblocks: int, size: int = BLOCK, tag: str = "r"):
+    """Put ``nblocks`` blocks through the Master (put_start -> libchm writes -> put_end); keys and bytes."""
+    keys = [os.urandom(KEY_BYTES) for _ in range(nblocks)]
+    data = [os.urandom(size) for _ in range(nblocks)]
+    locs = master.put_start(f"put-{tag}-{keys[0].hex()}", keys, [size] * nblocks)
+    devs = {}
+    for loc, block in zip(locs, data):
+        if loc.device not in devs:
+            devs[loc.device] = libchm.Device(paths[loc.device])
+        devs[loc.device].write(loc.offset, block)
+    for d in devs.values():
+        d.flush()  # on the media: the hint really stages from flash
+        d.close()
+    assert master.put_end(keys, [xxhash.xxh3_64_intdigest(b) for b in data]) == nblocks
+    return keys, data, {loc.device for loc in locs}
+
+
+@pytest.fixture(scope="module")
+def two_devices(tmp_path_factory):
+    with Server(tmp_path_factory.mktemp("m0")) as a, Server(tmp_path_factory.mktemp("m1")) as b:
+        yield [a, b]
+
+
+@pytest.fixture
+def setup(two_devices):
+    clock = ManualClock()
+    master = RecordingMaster(Master(clock))
+    mgr = KVManager(0, [s.node for s in two_devices], master, clock, window_bytes=3 * BLOCK)
+    yield master, clock, mgr, {i: str(s.path) for i, s in enumerate(two_devices)}
+    mgr.close()
+
+
+def pages_held(path: str) -> int:
+    with libchm.Device(path) as d:
+        return d.stats()["prefetch_pages_held"]
+
+
+def test_registers_the_node_and_its_devices(setup, two_devices):
+    master, _, mgr, paths = setup
+    infos = master.nodes()[0]["devices"]
+    assert [i.node_path for i in infos] == [paths[0], paths[1]]
+    for info, srv in zip(infos, two_devices):
+        with libchm.Device(srv.node) as d:
+            assert (info.capacity_bytes, info.epoch) == (d.info()["capacity_bytes"], d.info()["device_epoch"])
+
+
+def test_hint_stages_in_consumption_order_within_the_window(setup):
+    master, _, mgr, paths = setup
+    keys, data, devices = store(master, paths, 40)
+    device, = devices
+    path = paths[device]
+    after_gap, _, _ = store(master, paths, 29, tag="later")  # stored, but behind a missing block
+    candidates = keys + [os.urandom(KEY_BYTES)] + after_gap
+    with libchm.Device(path) as probe:
+        before = probe.stats()["prefetches"]
+        master.batches.clear()
+        assert mgr.hint("req", candidates) == 40
+        # Resolved in batches of at most 32, in order; the second comes back short (the miss at 40):
+        # the stored prefix ends there, and nothing behind the gap is asked for or staged.
+        assert master.batches == [candidates[:32], candidates[32:64]]
+        assert probe.stats()["prefetches"] - before == 3  # the window: 3 blocks, not 40
+        handles = []
+        for i, (key, block) in enumerate(zip(keys, data)):
+            token = mgr.acquire("req", key, timeout_s=0)
+            handles.append(token.handle)
+            # A worker on this machine reads the staged block through libchm itself.
+            got = probe.read(token.offset, token.length)
+            assert got == block and xxhash.xxh3_64_intdigest(got) == token.checksum
+            held = probe.stats()["prefetch_pages_held"]
+            assert held <= 3 * BLOCK // PAGE, (i, held)  # never more than the window at once
+            assert mgr.stats()["handles_held"] <= 3
+            assert mgr.release("req", key) is True
+        assert handles == sorted(handles) and len(set(handles)) == 40  # issued in consumption order
+        assert probe.stats()["prefetches"] - before == 40
+        assert probe.stats()["prefetch_pages_held"] == 0
+    stats = mgr.stats()
+    assert stats["handles_held_max"] == 3 and stats["prefetch_window_bytes_max"] == 3 * BLOCK
+    assert stats["devices"][device]["prefetch_bytes"] == 40 * BLOCK
+
+
+def test_the_window_is_never_fewer_than_two_blocks(two_devices):
+    master = Master(ManualClock())
+    with KVManager(0, [two_devices[0].node], master, ManualClock(), window_bytes=1) as mgr:
+        keys, _, _ = store(master, {0: str(two_devices[0].path)}, 5)
+        mgr.hint("r", keys)
+        assert mgr.stats()["handles_held"] == 2
+        mgr.hint("short", keys[:1])  # one hit: a window of one
+        assert mgr.stats()["handles_held"] == 3
+
+
+def test_blocks_on_other_nodes_are_left_to_their_manager(setup):
+    master, _, mgr, paths = setup
+    master.register_node(7, "tcp://elsewhere:1", [DeviceInfo(0, "/dev/shm/elsewhere", 1 << 30, 1)])
+    # Round-robin placement: the requests go to node 0, node 7, node 0; node 7's block is in the middle.
+    first, _, _ = store(master, paths, 2, tag="a")
+    elsewhere = os.urandom(KEY_BYTES)
+    loc, = master.put_start("b", [elsewhere], [BLOCK])
+    assert loc.node == 7
+    master.put_end([elsewhere], [0])
+    last, _, _ = store(master, paths, 1, tag="c")
+    assert mgr.hint("r", first + [elsewhere] + last) == 3
+    with pytest.raises(ChmError) as e:
+        mgr.acquire("r", elsewhere, 0)
+    assert e.value.errno == errno.ENOENT and "not a hit" in e.value.message
+    assert mgr.acquire("r", last[0], 0).key == last[0]
+    assert mgr.stats()["hint_other_node"] == 1
+
+
+def test_finish_releases_every_handle(setup):
+    master, _, mgr, paths = setup
+    keys, _, (device,) = store(master, paths, 6)
+    mgr.hint("r", keys)
+    mgr.acquire("r", keys[0], 0)
+    assert pages_held(paths[device]) > 0
+    assert mgr.finish("r") == 3
+    assert pages_held(paths[device]) == 0
+    with pytest.raises(ChmError) as e:
+        mgr.acquire("r", keys[1], 0)
+    assert e.value.errno == errno.ENOENT
+    assert mgr.release("r", keys[0]) is False  # a late give-back is harmless
+
+
+def test_an_untouched_request_is_cancelled_at_its_timeout(two_devices):
+    master, clock = Master(ManualClock()), ManualClock()
+    with KVManager(0, [two_devices[0].node], master, clock, window_bytes=2 * BLOCK, request_timeout_s=5) as mgr:
+        keys, _, _ = store(master, {0: str(two_devices[0].path)}, 4)
+        mgr.hint("idle", keys)
+        mgr.hint("busy", keys)
+        clock.advance(4)
+        mgr.acquire("busy", keys[0], 0)  # touched at t=4
+        clock.advance(2)                # t=6: "idle" untouched for 6 s > 5, "busy" for 2 s
+        mgr.progress()
+        assert mgr.stats()["requests"] == 1 and mgr.stats()["num_timeouts_recompute"] == 1
+        with pytest.raises(ChmError) as e:
+            mgr.acquire("idle", keys[0], 0)
+        assert e.value.errno == errno.ENOENT
+        assert mgr.touch(["busy", "idle"]) == 1
+        clock.advance(5)
+        mgr.progress()  # touched at 6, now 11: not past 5 s
+        assert mgr.stats()["requests"] == 1
+        clock.advance(0.5)
+        mgr.progress()
+        assert mgr.stats()["requests"] == 0 and pages_held(str(two_devices[0].path)) == 0
+
+
+def test_acquire_times_out_on_the_clock_when_the_block_stays_queued(setup):
+    master, clock, mgr, paths = setup
+    keys, _, _ = store(master, paths, 5)
+    mgr.hint("r", keys)  # window 3: keys[3] waits for a release
+    for k in keys[:3]:
+        mgr.acquire("r", k, 0)
+    ticker = threading.Thread(target=lambda: [time.sleep(0.01) or clock.advance(1) for _ in range(3)])
+    ticker.start()
+    with pytest.raises(ChmError) as e:
+        mgr.acquire("r", keys[3], timeout_s=2)
+    ticker.join()
+    assert e.value.errno == errno.ETIMEDOUT and "window of 3 blocks is held" in e.value.message
+    assert clock.now() >= 2
+    mgr.release("r", keys[0])
+    assert mgr.acquire("r", keys[3], 0).key == keys[3]
+
+
+def test_ebusy_from_the_device_queues_the_block_and_never_fails(tmp_path):
+    # A device whose prefetch window holds one block (3 pages), with a Manager window of 4 blocks.
+    with Server(tmp_path / "m", None, "--set", f"policy.prefetch_window_bytes={3 * PAGE}") as srv:
+        master = Master(ManualClock())
+        with KVManager(0, [srv.node], master, ManualClock(), window_bytes=4 * BLOCK) as mgr:
+            keys, data, _ = store(master, {0: str(srv.path)}, 4)
+            assert mgr.hint("r", keys) == 4
+            stats = mgr.stats()
+            assert stats["handles_held"] == 1 and stats["ebusy"] == 1 and stats["queued_blocks"] == 3
+            mgr.acquire("r", keys[0], timeout_s=0)
+            with pytest.raises(ChmError) as e:  # queued behind the device, not failed: it comes after a release
+                mgr.acquire("r", keys[1], timeout_s=0)
+            assert e.value.errno == errno.ETIMEDOUT and "busy (EBUSY)" in e.value.message
+            for key, block in zip(keys, data):
+                token = mgr.acquire("r", key, timeout_s=0)
+                with libchm.Device(srv.node) as d:
+                    assert d.read(token.offset, token.length) == block
+                mgr.release("r", key)
+            stats = mgr.stats()
+            assert stats["num_load_errors"] == 0 and stats["prefetches"] == 4 and stats["ebusy"] >= 3
+
+
+def test_a_device_gone_fails_its_blocks_at_once_never_hangs(tmp_path):
+    master = Master(ManualClock())
+    with Server(tmp_path / "m") as srv, KVManager(0, [srv.node], master, ManualClock(), window_bytes=2 * BLOCK) as mgr:
+        keys, _, _ = store(master, {0: str(srv.path)}, 4)
+        assert mgr.hint("r", keys) == 4
+        srv.kill()  # SIGKILL: staged (window) and queued blocks alike
+        for key in keys:
+            with pytest.raises(ChmError) as e:
+                mgr.acquire("r", key, timeout_s=10)  # the clock never moves: only an error can end it
+            assert e.value.errno == errno.ENODEV, e.value
+        assert mgr.stats()["num_load_errors"] == 4 and mgr.finish("r") == 0
+
+
+def test_inputs_are_checked_and_named(setup, two_devices):
+    master, _, mgr, _ = setup
+    key = os.urandom(KEY_BYTES)
+    cases = [
+        (lambda: mgr.hint("", [key]), "request_id"),
+        (lambda: mgr.hint("r", []), "keys must be a list of 1 to"),
+        (lambda: mgr.hint("r", [b"short"]), "keys[0] must be 16 bytes, got 5 bytes"),
+        (lambda: mgr.acquire("r", key, -1), "timeout_s -1"),
+        (lambda: mgr.acquire("r", key, float("nan")), "timeout_s nan"),
+        (lambda: mgr.write(2, 0, [b"x"]), "device 2 is outside the allowed range: an integer in [0, 1]"),
+        (lambda: mgr.write(0, 0, [b"x", b"y"]), "payload must be exactly one frame"),
+        (lambda: KVManager(0, [], master, ManualClock()), "device_nodes"),
+        (lambda: KVManager(-1, ["x"], master, ManualClock()), "node -1 is outside"),
+        (lambda: KVManager(0, [two_devices[0].node], master, ManualClock(), window_bytes=0), "window_bytes 0"),
+        (lambda: KVManager(0, [two_devices[0].node], object(), ManualClock()), "has no lookup()"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ChmError) as e:
+            call()
+        assert e.value.errno == errno.EINVAL and words in e.value.message, (words, e.value.message)
+    with pytest.raises(ChmError) as e:
+        mgr.write(0, 1 << 40, [b"x"])
+    assert e.value.errno == errno.ERANGE
+    with pytest.raises(ChmError) as e:
+        KVManager(0, [two_devices[0].node, "chmtest-no-such-device"], master, ManualClock())
+    assert e.value.errno == errno.ENODEV and "chmtest-no-such-device" in e.value.message
+
+
+# ---- over ZeroMQ --------------------------------------------------------------------------
+@pytest.fixture
+def served(setup):
+    master, clock, mgr, paths = setup
+    server = serve_manager(mgr, "tcp://127.0.0.1:0")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield master, mgr, paths, server
+    server.stop()
+    thread.join(timeout=10)
+
+
+MANAGER = """
+import sys
+from host_runtime.hymcache.manager import run_manager
+sys.exit(run_manager(0, sys.argv[3:], sys.argv[1], "tcp://127.0.0.1:0", window_bytes=int(sys.argv[2]),
+                     on_ready=lambda endpoint: print("ready", endpoint, flush=True)))
+"""
+
+
+def spawn(args: list[str], ready: str) -> tuple[subprocess.Popen, str]:
+    """A process of this test; waits for its line starting with ``ready`` and returns its last word."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    line = proc.stdout.readline()
+    if not line.startswith(ready):
+        proc.kill()
+        raise AssertionError(f"{args[:2]} did not start: {line!r} {proc.stderr.read()}")
+    return proc, line.split()[-1]
+
+
+def test_local_and_remote_workers_read_identical_bytes(two_devices):
+    """Processes: a Master, the node's Manager (run_manager) on two devices; this process is both a worker on
+    the devices' machine (libchm) and a "remote" one (bytes through the Manager over ZeroMQ)."""
+    master_proc, master_ep = spawn(["-m", "host_runtime.hymcache.master", "--endpoint", "tcp://127.0.0.1:0"],
+                                   "master: serving on")
+    manager_proc = None
+    try:
+        manager_proc, manager_ep = spawn(["-c", MANAGER, master_ep, str(2 * BLOCK), *[s.node for s in two_devices]],
+                                         "ready")
+        with MasterClient(master_ep) as master:
+            node = master.nodes()[0]
+            assert node["endpoint"] == manager_ep
+            paths = {d.device: d.node_path for d in node["devices"]}
+            assert sorted(paths.values()) == sorted(str(s.path) for s in two_devices)
+            stored = [store(master, paths, 6, tag=str(i)) for i in range(2)]
+        assert {next(iter(devs)) for _, _, devs in stored} == {0, 1}  # one request per device, round robin
+        for keys, data, (device,) in stored:
+            with ManagerClient(manager_ep) as remote, ManagerClient(manager_ep) as here, \
+                    libchm.Device(paths[device]) as local:
+                assert remote.devices() == node["devices"]  # what it registered, over ZeroMQ too
+                before = local.stats()["prefetches"]
+                assert remote.hint("remote", keys) == 6 and here.hint("local", keys) == 6
+                assert local.stats()["prefetches"] - before == 4  # two windows of 2 blocks
+                for key, block in zip(keys, data):
+                    token, frame = remote.read("remote", key)
+                    local_token = here.acquire("local", key)
+                    assert (local_token.offset, local_token.length, local_token.checksum) == \
+                        (token.offset, token.length, token.checksum)
+                    view = local.buffer()[:token.length]
+                    local.read_into(token.offset, view)  # zero-copy into its staging buffer
+                    assert bytes(frame) == bytes(view) == block
+                    assert xxhash.xxh3_64_intdigest(frame) == xxhash.xxh3_64_intdigest(view) == token.checksum
+                    assert local.stats()["prefetch_pages_held"] <= 2 * 2 * BLOCK // PAGE  # 2 windows of 2
+                    assert remote.release("remote", key) and here.release("local", key)
+                assert local.stats()["prefetches"] - before == 12
+                stats = here.stats()
+                assert stats["handles_held_max"] <= 4 and stats["remote_read_bytes"] >= 6 * BLOCK
+                assert remote.finish("remote") == 0 and here.finish("local") == 0
+        manager_proc.send_signal(signal.SIGTERM)
+        assert manager_proc.wait(30) == 0
+    finally:
+        for proc in (manager_proc, master_proc):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+            if proc is not None:
+                proc.stdout.close()
+                proc.stderr.close()
+
+
+def test_remote_writes_and_refusals_pass_through(tmp_path):
+    # A write buffer of two 64 KiB frames (0.0005 of 4096) that flushes only full batches of two: after a
+    # one-page write, a two-page write finds one frame free and is refused whole (EAGAIN).
+    with Server(tmp_path / "m", None, "--set", "policy.write_buffer_fraction=0.0005",
+                "--set", f"policy.flush_batch_bytes={2 * PAGE}", "--set", "policy.flush_max_delay_ns=1e15") as srv:
+        mgr = KVManager(0, [srv.node], Master(ManualClock()), WallClock())
+        server = serve_manager(mgr, "tcp://127.0.0.1:0")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            with ManagerClient(server.endpoint) as c:
+                block = os.urandom(PAGE)
+                assert c.write(0, 3 * PAGE, block) == PAGE
+                with libchm.Device(srv.node) as d:
+                    assert d.read(3 * PAGE, PAGE) == block
+                with pytest.raises(ChmError) as e:
+                    c.write(0, 0, os.urandom(2 * PAGE))
+                assert e.value.errno == errno.EAGAIN
+                with pytest.raises(ChmError) as e:
+                    c.rpc.call("write", 0, 0)  # no frame
+                assert e.value.errno == errno.EINVAL and "exactly one frame" in e.value.message
+                stats = c.stats()
+                assert stats["remote_writes"] == 1 and stats["write_refused"] == 1
+                assert stats["devices"][0]["written_bytes"] == PAGE
+        finally:
+            server.stop()
+            thread.join(timeout=10)
+            mgr.close()
+
+
+def test_a_full_media_enospc_passes_through_the_remote_write(tmp_path):
+    """The device's fault hook fails the first flush's media writes with ENOSPC; from then on it refuses
+    writes with ENOSPC (nothing written) until a flush lands: the remote writer sees that errno."""
+    overrides = {**HOLD_WRITES, **FAULT_OVERRIDES}
+    args = [a for k, v in overrides.items() for a in ("--set", f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}")]
+    with Server(tmp_path / "m", None, *args) as srv, libchm.Device(srv.node) as d:
+        d.write(0, os.urandom(DEVICE_WRITE_BYTES))
+        with pytest.raises(ChmError) as e:
+            d.flush()
+        assert e.value.errno == errno.ENOSPC
+        mgr = KVManager(0, [srv.node], Master(WallClock()), WallClock())
+        server = serve_manager(mgr, "tcp://127.0.0.1:0")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            with ManagerClient(server.endpoint) as c, pytest.raises(ChmError) as e:
+                c.write(0, DEVICE_WRITE_BYTES, os.urandom(PAGE))
+            assert e.value.errno == errno.ENOSPC and mgr.stats()["write_refused"] == 1
+        finally:
+            server.stop()
+            thread.join(timeout=10)
+            mgr.close()
+
+
+WORKER = """
+import sys
+from host_runtime.hymcache.manager import ManagerClient
+keys = [bytes.fromhex(k) for k in sys.argv[2:]]
+c = ManagerClient(sys.argv[1])
+print(c.hint("dying-worker", keys), flush=True)
+c.hint("dying-worker-shared", keys[:3])
+c.acquire("dying-worker", keys[0])
+print("acquired", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_disconnected_worker_has_its_prefetches_cancelled(served):
+    master, mgr, paths, server = served  # the clock never moves: only the disconnect can cancel
+    keys, _, (device,) = store(master, paths, 6)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, server.endpoint, *[k.hex() for k in keys]],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert worker.stdout.readline().strip() == "6"
+        assert worker.stdout.readline().strip() == "acquired"
+        assert mgr.stats()["handles_held"] == 3 + 3 and pages_held(paths[device]) > 0
+        # A live connection of another worker is not touched, nor a request it used too.
+        with ManagerClient(server.endpoint) as other:
+            other.hint("other", keys[:2])
+            other.acquire("dying-worker-shared", keys[0])
+            worker.kill()
+            worker.wait()
+            for _ in range(500):  # bounded: the disconnect is noticed at the server's next poll
+                if mgr.stats()["cancelled_disconnect"]:
+                    break
+                time.sleep(0.01)
+            stats = mgr.stats()
+            assert stats["cancelled_disconnect"] == 1 and stats["requests"] == 2
+            assert stats["handles_held"] == 2 + 3  # "other"'s and the shared one's
+            assert other.acquire("other", keys[0]).key == keys[0]
+            assert other.acquire("dying-worker-shared", keys[1]).key == keys[1]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.stdout.close()
+        worker.stdin.close()
+
+
+def test_measure_block_paths_reports_both_paths(two_devices):
+    master = Master(WallClock())
+    out = measure_block_paths(master, two_devices[1].node, block_bytes=1 << 20, repeat=2)
+    for name in ("stage_s", "local_s", "local_checked_s", "zmq_s", "zmq_checked_s", "local_total_s", "zmq_total_s"):
+        assert out[name] > 0
+    assert out["block_bytes"] == 1 << 20
+    assert master.stats()["removed_blocks"] == 1  # the block removed again
