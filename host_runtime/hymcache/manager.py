@@ -548,6 +548,9 @@ def serve_manager(manager: KVManager, endpoint: str, curve_keys: str | None = No
     return ManagerServer(manager, endpoint, curve_keys=curve_keys, **kwargs)
 
 
+FIRST_POLL_S = 50e-6  # ManagerClient's first pause before asking again for a block not staged yet
+
+
 class ManagerClient:
     """A KV Manager over ZeroMQ, the same methods (one thread at a time, like RpcClient).
 
@@ -565,13 +568,15 @@ class ManagerClient:
     def _poll(self, method: str, request_id: str, key: bytes, timeout_s: float):
         timeout_s = _check_seconds("timeout_s", timeout_s)
         deadline = self.clock.now() + timeout_s
+        pause = min(FIRST_POLL_S, self.poll_s)  # a block staged soon is asked for again soon
         while True:
             try:
                 return self.rpc.call(method, request_id, key, frames=True)
             except RemoteError as exc:
                 if exc.errno != errno.ETIMEDOUT or self.clock.now() >= deadline:
                     raise
-            time.sleep(self.poll_s)
+            time.sleep(pause)
+            pause = min(2 * pause, self.poll_s)
 
     def acquire(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> ReadToken:
         result, _ = self._poll("acquire", request_id, key, timeout_s)
