@@ -32,6 +32,7 @@ CASES = {
     "stats": ([NO_NODE, "extra"], [NO_NODE]),
     "replay": (["microbench", "--turns", "0"], ["{d}/truncated.jsonl", "--no-progress"]),
     "hybridgen": (["model-perf", "--kv-ratio", "2"], ["model-perf", "--platform", "{d}/bad.toml"]),
+    "hymcache": (["up", "--nodes", "0"], ["manager", "--master", "tcp://127.0.0.1:1", "--node", "0", "--device", NO_NODE]),
 }
 
 
