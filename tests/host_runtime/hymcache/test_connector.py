@@ -19,8 +19,6 @@ import torch
 
 import libchm
 from driver.errors import ChmError
-from host_runtime.hybridgen.model import SmolLM2
-from host_runtime.hybridgen.tokenizer import Tokenizer
 from host_runtime.hymcache.clock import WallClock
 from host_runtime.hymcache.connector import (HyMCacheConfig, HyMCacheConnector, KVConnectorRole, chat,
                                              connector_pair, next_turn_prompt)
@@ -33,15 +31,6 @@ from tests.driver.serving import ROOT, Server
 BS = 16
 BLOCK_BYTES = 30 * 2 * BS * 3 * 64 * 4  # SmolLM2: 30 layers x (k, v) x 16 tokens x 3 KV heads x 64 x float32
 TINY_WRITE_BUFFER = ("--set", "policy.write_buffer_fraction=0.004", "--set", "policy.flush_batch_bytes=65536")  # 1 MiB
-
-
-@pytest.fixture(scope="module")
-def smol():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: one thread avoids contention on a small shared box
-    model = SmolLM2.load()
-    yield model, Tokenizer.from_gguf(model.tokenizer_reader)
-    torch.set_num_threads(threads)
 
 
 class Proc:

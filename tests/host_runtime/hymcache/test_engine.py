@@ -6,20 +6,9 @@ import pytest
 import torch
 
 from driver.errors import ChmError
-from host_runtime.hybridgen.model import SmolLM2
-from host_runtime.hybridgen.tokenizer import Tokenizer
 from host_runtime.hymcache.engine import KVCacheBlocks, PagedEngine, layer_name
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def smol():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: one thread avoids contention on a small shared box
-    model = SmolLM2.load()
-    yield model, Tokenizer.from_gguf(model.tokenizer_reader)
-    torch.set_num_threads(threads)
 
 
 def prompt(tok, text="What is the capital of France?"):
