@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from driver.errors import ChmError
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BATCH = 32
@@ -105,6 +107,48 @@ def _populate(master, n_entries: int, device_info) -> list[list[bytes]]:
         assert master.put_end(keys, list(range(BATCH))) == BATCH
         requests.append(keys)
     return requests
+
+
+CHURN_BLOCK_MIB = (8, 16, 24, 32)  # blocks of several models' sizes share a device
+CHURN_DEVICE_BYTES = 4 << 30
+
+
+def bench_fragmentation(ops: int, seed: int = 1) -> dict:
+    """Append-only allocation under churn: a 4 GiB device filled with blocks of mixed sizes, then ``ops``
+    rounds of one request's put (evicting at the high watermark) and a random remove.
+    Fragmentation = 1 - largest free extent / free bytes, as Master.stats() reports it."""
+    import random
+
+    from host_runtime.hymcache.clock import ManualClock
+    from host_runtime.hymcache.master import Master
+    from host_runtime.hymcache.messages import DeviceInfo
+
+    rng = random.Random(seed)
+    clock = ManualClock()
+    master = Master(clock)
+    master.register_node(0, "", [DeviceInfo(0, "", CHURN_DEVICE_BYTES, 1)])
+    live: list[bytes] = []
+    worst = 0.0
+    for op in range(ops):
+        keys = [os.urandom(KEY_BYTES) for _ in range(rng.randint(1, 4))]
+        size = rng.choice(CHURN_BLOCK_MIB) << 20
+        try:
+            locs = master.put_start(f"churn-{op}", keys, [size] * len(keys))
+        except ChmError:  # no extent fits even after eviction: counted by the Master
+            locs = []
+        written = [k for k, loc in zip(keys, locs) if loc is not None]
+        master.put_end(written, [1] * len(written))
+        live.extend(written)
+        if live and rng.random() < 0.5:
+            master.remove([live.pop(rng.randrange(len(live)))])
+        clock.advance(60.0)  # leases from put/lookup long gone: everything complete is evictable
+        master.expire()
+        if op >= ops // 2:
+            worst = max(worst, master.stats()["devices"][0]["fragmentation"])
+    dev = master.stats()["devices"][0]
+    return {"ops": ops, "used": dev["used_bytes"] / CHURN_DEVICE_BYTES, "fragmentation": dev["fragmentation"],
+            "worst_fragmentation": worst, "freed_extents": dev["freed_extents"],
+            "evictions": master.stats()["evictions"], "no_space": master.stats()["put_no_space"]}
 
 
 def bench_lookups(n_entries: int, rounds: int, reps: int) -> dict:
@@ -370,6 +414,12 @@ def main(argv: list[str]) -> int:
     bpe = lk["bytes_per_entry"]
     print("(b) Master metadata per entry (goal: 64 + index overhead): "
           + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in bpe.items()))
+
+    frag = bench_fragmentation(2000)
+    print(f"(b) append-only allocation after {frag['ops']} churn rounds on a {CHURN_DEVICE_BYTES >> 30} GiB device, "
+          f"blocks of {'/'.join(map(str, CHURN_BLOCK_MIB))} MiB: used {frag['used']:.0%}, fragmentation "
+          f"{frag['fragmentation']:.2f} (worst over the second half {frag['worst_fragmentation']:.2f}), "
+          f"{frag['freed_extents']} freed extents, {frag['evictions']} evictions, {frag['no_space']} puts refused")
 
     blk = bench_block(args.block_bytes, args.block_rounds)
     mb = args.block_bytes / (1 << 20)
