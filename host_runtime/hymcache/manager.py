@@ -19,6 +19,12 @@ cancelled when the last of them closes. A worker whose process dies has its TCP/
 closed by the kernel, so its requests go at once; the timeout is the backstop for a worker that
 hangs with a connection open.
 
+A device that goes away (ENODEV: its ``chm serve`` died) loses its libchm handle and the blocks staged
+through it (they fail: the worker recomputes). The Manager reopens it at its next use and on the
+server's tick (at most every ``REOPEN_INTERVAL_S`` per device; the tick also notices a device restarted
+under an idle Manager: its node shows another server pid or node file). Back with another epoch (``--format``), its
+old blocks are stale: the node is registered with the Master again, which drops them.
+
 State is guarded by one lock: the served Manager (its RpcServer thread) and in-process callers
 (other threads) may share one KVManager. libchm handles are one thread's at a time, which the lock
 also guarantees.
@@ -51,6 +57,7 @@ REQUEST_TIMEOUT_S = 30.0
 MAX_HINT_KEYS = 1 << 16        # 65536 blocks: far past any context (bounds one call's work)
 MAX_REQUEST_ID = 256           # characters
 WAIT_STEP_S = 0.002            # how often a blocked acquire looks again (a poll interval, not a deadline)
+REOPEN_INTERVAL_S = 1.0        # per device: reopen a gone one / look whether a live one was restarted
 
 MANAGER_METHODS = ("hint", "acquire", "read", "write", "release", "finish", "touch", "progress", "stats", "devices")
 
@@ -97,15 +104,25 @@ def node_path(device_node: str) -> str:
     return device_node if "/" in device_node else os.path.join("/dev/shm", device_node)
 
 
+def _node_id(path: str) -> tuple[int, int] | None:
+    """The node file's identity: a server stopped cleanly removes it, the next one creates another."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 # Block states, in the order a block goes through them.
 QUEUED, ISSUED, STAGED, RELEASED, FAILED = "queued", "issued", "staged", "released", "failed"
 
 
 class _Block:
-    __slots__ = ("loc", "state", "handle", "error")
+    __slots__ = ("loc", "state", "handle", "error", "epoch")
 
-    def __init__(self, loc: BlockLoc):
+    def __init__(self, loc: BlockLoc, epoch: int):
         self.loc, self.state, self.handle, self.error = loc, QUEUED, 0, None
+        self.epoch = epoch  # its device's epoch when the Master gave the location: another one makes it stale
 
 
 class _Request:
@@ -149,7 +166,8 @@ class KVManager:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._caller = None    # set by the served Manager around each call: who is calling
-        self.handles: list[libchm.Device] = []  # one libchm handle per device, in device order
+        # One libchm handle per device, in device order; None while the device is gone (see _gone/_reopen).
+        self.handles: list[libchm.Device | None] = []
         self.requests: OrderedDict[str, _Request] = OrderedDict()   # oldest first: issued first
         try:
             for name in device_nodes:
@@ -160,13 +178,18 @@ class KVManager:
         self.infos = [DeviceInfo(device=i, node_path=node_path(name), capacity_bytes=dev.info()["capacity_bytes"],
                                  epoch=dev.info()["device_epoch"])
                       for i, (name, dev) in enumerate(zip(device_nodes, self.handles))]
+        # Who served each device when it was opened: another pid or node file means it was restarted.
+        self._served_by = [(dev.info()["server_pid"], _node_id(dev.node)) for dev in self.handles]
+        self._check_at = [0.0] * len(self.handles)  # clock time of each device's next reopen / restart check
+        self._gone_why = [""] * len(self.handles)   # why a gone device is not back (its ENODEV says it)
         self.counters = dict.fromkeys((
             "hints", "hinted_keys", "hint_hits", "hint_other_node", "num_retrieve_requests", "num_hit_tokens",
             "prefetches", "ebusy", "unfit", "releases", "num_load_errors", "finished", "num_timeouts_recompute",
             "cancelled_disconnect", "remote_reads", "remote_read_bytes", "remote_writes", "remote_write_bytes",
-            "write_refused"), 0)
+            "write_refused", "devices_gone", "devices_reopened", "devices_new_epoch"), 0)
         self.device_counters = [dict.fromkeys(("prefetches", "prefetch_bytes", "ebusy", "read_bytes",
-                                               "written_bytes", "write_refused"), 0) for _ in self.handles]
+                                               "written_bytes", "write_refused", "gone", "reopened"), 0)
+                                for _ in self.handles]
         self.held_bytes = [0] * len(self.handles)
         self.window_bytes_max = 0
         self.handles_max = 0
@@ -183,6 +206,111 @@ class KVManager:
             if endpoint is not None:
                 self.endpoint = endpoint
             self.master.register_node(self.node, self.endpoint, list(self.infos))
+
+    # ---- devices that go away and come back ----------------------------------------
+    def _handle(self, i: int) -> libchm.Device:
+        """Device ``i``'s handle, reopened first if it went away; ENODEV while it stays gone."""
+        dev = self.handles[i] or self._reopen(i)
+        if dev is None:
+            raise ChmError(errno.ENODEV, f"device {i} ({self.infos[i].node_path}) is gone ({self._gone_why[i]}); "
+                                         f"reopened at most every {REOPEN_INTERVAL_S:g} s")
+        return dev
+
+    def _gone(self, i: int, exc: ChmError) -> None:
+        """Device ``i`` answered ENODEV: drop its handle; the blocks staged through it go with it (failed)."""
+        dev = self.handles[i]
+        if dev is None:
+            return
+        self.handles[i] = None
+        self._gone_why[i] = exc.message
+        self._check_at[i] = self.clock.now()  # the next use tries at once: it may be back already
+        self.counters["devices_gone"] += 1
+        self.device_counters[i]["gone"] += 1
+        self.log(f"device {i} ({self.infos[i].node_path}) went away ({exc.message}); its staged blocks failed")
+        try:
+            dev.close()
+        except ChmError:
+            pass
+        lost = ChmError(errno.ENODEV, f"device {i} ({self.infos[i].node_path}) went away while the block was "
+                                      f"staged on it ({exc.message})")
+        for req in self.requests.values():
+            for block in req.blocks[:req.next_issue]:
+                if block.loc.device == i and block.state in (ISSUED, STAGED):
+                    if block.handle:  # held (an unfit block, handle 0, never was)
+                        req.held -= 1
+                        self.held_bytes[i] -= block.loc.length
+                    block.state, block.handle, block.error = FAILED, 0, lost
+                    self.counters["num_load_errors"] += 1
+        self._changed.notify_all()
+
+    def _reopen(self, i: int) -> libchm.Device | None:
+        """Try to reopen gone device ``i`` (at most every REOPEN_INTERVAL_S); its handle, or None.
+
+        Back with another epoch or capacity, its blocks are stale: the node is registered again (the Master
+        drops them). If the Master cannot be told, the device stays gone: serving it would serve stale blocks."""
+        now = self.clock.now()
+        if now < self._check_at[i]:
+            return None
+        self._check_at[i] = now + REOPEN_INTERVAL_S
+        path = self.infos[i].node_path
+        try:
+            dev = libchm.Device(path)
+        except ChmError as exc:
+            self._gone_why[i] = exc.message
+            return None
+        try:
+            info = dev.info()
+            old = self.infos[i]
+            new = DeviceInfo(device=i, node_path=path, capacity_bytes=info["capacity_bytes"],
+                             epoch=info["device_epoch"])
+            if (new.epoch, new.capacity_bytes) != (old.epoch, old.capacity_bytes):
+                infos = list(self.infos)
+                infos[i] = new
+                self.master.register_node(self.node, self.endpoint, infos)
+                self.counters["devices_new_epoch"] += 1
+                self.log(f"device {i} ({path}) is back with epoch {new.epoch} (was {old.epoch}): node "
+                         f"{self.node} registered again, its old blocks are stale")
+            self.infos[i] = new
+        except Exception as exc:  # the Master unreachable or refusing: try it all again later
+            dev.close()
+            self._gone_why[i] = f"back, but registering its new epoch failed: {exc}"
+            self.log(f"device {i} ({path}): {self._gone_why[i]}")
+            return None
+        self.handles[i] = dev
+        self._served_by[i] = (info["server_pid"], _node_id(path))
+        self._gone_why[i] = ""
+        self.counters["devices_reopened"] += 1
+        self.device_counters[i]["reopened"] += 1
+        self.log(f"device {i} ({path}) reopened")
+        return dev
+
+    def _check_devices(self) -> None:
+        """The tick's look at each device (at most every REOPEN_INTERVAL_S): reopen a gone one; drop a live
+        one whose node shows another server (restarted while nothing here used it), then reopen it."""
+        now = self.clock.now()
+        for i, dev in enumerate(self.handles):
+            if now < self._check_at[i]:
+                continue
+            if dev is not None:
+                self._check_at[i] = now + REOPEN_INTERVAL_S
+                try:  # the node's shared page and a stat: no round trip to the device
+                    now_by = (dev.info()["server_pid"], _node_id(self.infos[i].node_path))
+                except ChmError as exc:
+                    self._gone(i, exc)
+                else:
+                    if now_by == self._served_by[i]:
+                        continue
+                    self._gone(i, ChmError(errno.ENODEV, f"restarted: served by (pid, node file) {now_by}, "
+                                                         f"was {self._served_by[i]}"))
+            self._reopen(i)
+
+    def _attached(self, i: int) -> bool:
+        return i < len(self.handles) and self.handles[i] is not None  # none at all once closed
+
+    def _device_error(self, i: int, exc: ChmError) -> None:
+        """After a failed call on device ``i``: ENODEV means it went away."""
+        if exc.errno == errno.ENODEV:
+            self._gone(i, exc)
 
     # ---- hints ---------------------------------------------------------------------
     def hint(self, request_id: str, keys: list[bytes]) -> int:
@@ -221,7 +349,7 @@ class KVManager:
                 continue
             if not req.blocks:  # the window in blocks follows the request's block size
                 req.window = max(MIN_WINDOW_BLOCKS, self.window_bytes // loc.length)
-            block = _Block(loc)
+            block = _Block(loc, self.infos[loc.device].epoch)
             req.blocks.append(block)
             req.by_key[loc.key] = block
 
@@ -235,7 +363,7 @@ class KVManager:
             if dev_index in busy:
                 return  # EBUSY on this device in this pass: keep the order, try at the next progress
             try:
-                block.handle = self.handles[dev_index].prefetch(block.loc.offset, block.loc.length)
+                block.handle = self._prefetch(block)
             except ChmError as exc:
                 if exc.errno == errno.EBUSY:
                     busy.add(dev_index)
@@ -261,9 +389,26 @@ class KVManager:
         self.window_bytes_max = max(self.window_bytes_max, sum(self.held_bytes))
         self.handles_max = max(self.handles_max, sum(r.held for r in self.requests.values()))
 
+    def _prefetch(self, block: _Block) -> int:
+        """``block``'s prefetch; on ENODEV once more on a reopened handle (its device may be back already)."""
+        i = block.loc.device
+        for retry in (False, True):
+            dev = self._handle(i)
+            if block.epoch != self.infos[i].epoch:
+                raise ChmError(errno.ESTALE, f"device {i} ({self.infos[i].node_path}) came back with epoch "
+                                             f"{self.infos[i].epoch}, the block was stored under {block.epoch}: "
+                                             "it is gone (the Master dropped it)")
+            try:
+                return dev.prefetch(block.loc.offset, block.loc.length)
+            except ChmError as exc:
+                self._device_error(i, exc)
+                if exc.errno != errno.ENODEV or retry:
+                    raise
+
     def progress(self) -> None:
-        """Cancel requests past their timeout; move every window on (oldest request first)."""
+        """Reopen gone devices; cancel requests past their timeout; move every window on (oldest request first)."""
         with self._lock:
+            self._check_devices()
             now = self.clock.now()
             for req in [r for r in self.requests.values() if now - r.touched > self.request_timeout_s]:
                 self.log(f"request {req.request_id}: untouched for {now - req.touched:.3g} s, cancelled")
@@ -304,11 +449,14 @@ class KVManager:
                     self.progress()
                 if block.state == ISSUED:
                     try:
-                        self.handles[block.loc.device].wait(block.handle)
+                        self.handles[block.loc.device].wait(block.handle)  # ISSUED: its device has a handle
                     except ChmError as exc:
-                        self._drop(req, block)
-                        block.state, block.error = FAILED, exc
-                        self.counters["num_load_errors"] += 1
+                        if exc.errno == errno.ENODEV:
+                            self._gone(block.loc.device, exc)  # fails this block and the rest staged there
+                        else:
+                            self._drop(req, block)
+                            block.state, block.error = FAILED, exc
+                            self.counters["num_load_errors"] += 1
                     else:
                         block.state = STAGED
                 if block.state == STAGED:
@@ -335,8 +483,11 @@ class KVManager:
         with self._lock:
             token = self.acquire(request_id, key, timeout_s)
             data = bytearray(token.length)  # a fresh buffer per block: ZeroMQ sends it after we return
-            dev = self.handles[token.device]
-            dev.read_into(token.offset, data)
+            try:
+                self._handle(token.device).read_into(token.offset, data)
+            except ChmError as exc:
+                self._device_error(token.device, exc)
+                raise
             self.counters["remote_reads"] += 1
             self.counters["remote_read_bytes"] += token.length
             self.device_counters[token.device]["read_bytes"] += token.length
@@ -352,8 +503,9 @@ class KVManager:
                                              f"{len(payload or ())}")
             data = payload[0]
             try:
-                n = self.handles[device].write(offset, data)
+                n = self._handle(device).write(offset, data)
             except ChmError as exc:
+                self._device_error(device, exc)
                 if exc.errno in (errno.EAGAIN, errno.ENOSPC):
                     self.counters["write_refused"] += 1
                     self.device_counters[device]["write_refused"] += 1
@@ -383,13 +535,16 @@ class KVManager:
     def _drop(self, req: _Request, block: _Block) -> None:
         """Release ``block``'s device handle (the device may be gone: the handle went with it)."""
         if block.state in (ISSUED, STAGED) and block.handle:
-            try:
-                self.handles[block.loc.device].release(block.handle)
-            except ChmError as exc:
-                self.log(f"release of handle {block.handle} on device {block.loc.device}: {exc}")
+            handle, block.state = block.handle, RELEASED  # first: _gone below must not count it again
             req.held -= 1
             self.held_bytes[block.loc.device] -= block.loc.length
             self.counters["releases"] += 1
+            try:
+                if self._attached(block.loc.device):  # else the handle went with the device
+                    self.handles[block.loc.device].release(handle)
+            except ChmError as exc:
+                self.log(f"release of handle {handle} on device {block.loc.device}: {exc}")
+                self._device_error(block.loc.device, exc)
         block.state = RELEASED
 
     def _cancel(self, req: _Request) -> int:
@@ -453,7 +608,8 @@ class KVManager:
             per_device = []
             for info, counters, held in zip(self.infos, self.device_counters, self.held_bytes):
                 per_device.append({"node": self.node, "device": info.device, "node_path": info.node_path,
-                                   "capacity_bytes": info.capacity_bytes, "staged_bytes": held, **counters})
+                                   "capacity_bytes": info.capacity_bytes, "staged_bytes": held,
+                                   "attached": int(self._attached(info.device)), **counters})
             return {**self.counters, "node": self.node, "requests": len(self.requests),
                     "prefetch_window_bytes": sum(self.held_bytes), "prefetch_window_bytes_max": self.window_bytes_max,
                     "handles_held": sum(r.held for r in self.requests.values()), "handles_held_max": self.handles_max,
@@ -465,7 +621,8 @@ class KVManager:
             for req in list(self.requests.values()):
                 self._cancel(req)
             for dev in self.handles:
-                dev.close()
+                if dev is not None:
+                    dev.close()
             self.handles = []
 
     def __enter__(self) -> "KVManager":

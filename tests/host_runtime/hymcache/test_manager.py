@@ -239,6 +239,95 @@ def test_a_device_gone_fails_its_blocks_at_once_never_hangs(tmp_path):
         assert mgr.stats()["num_load_errors"] == 4 and mgr.finish("r") == 0
 
 
+def read_back(mgr, rid: str, keys, data, path: str) -> None:
+    """Hint ``keys``, then acquire, read (libchm, as a worker on this machine) and release each block."""
+    assert mgr.hint(rid, keys) == len(keys)
+    with libchm.Device(path) as d:
+        for key, block in zip(keys, data):
+            token = mgr.acquire(rid, key, timeout_s=0)
+            assert d.read(token.offset, token.length) == block
+            assert mgr.release(rid, key) is True
+    assert mgr.finish(rid) == 0
+
+
+def test_a_device_restarted_on_its_media_is_reopened_and_keeps_its_blocks(tmp_path):
+    master, clock = Master(ManualClock()), ManualClock()
+    media = tmp_path / "m"
+    with Server(media) as srv, KVManager(0, [srv.node], master, clock, window_bytes=2 * BLOCK) as mgr:
+        keys, data, _ = store(master, {0: str(srv.path)}, 3)
+        epoch = mgr.devices()[0].epoch
+        assert mgr.hint("before", keys) == 3  # two staged, one queued
+        srv.kill()
+        with Server(media, srv.node) as again:  # the same node on the same media: the same epoch
+            # Nothing told the Manager: the next hint meets the dead handle, reopens the device at once and
+            # stages on the new server.
+            read_back(mgr, "after", keys, data, str(again.path))
+            for key in keys[:2]:  # staged through the dead server: failed (the worker recomputes)
+                with pytest.raises(ChmError) as e:
+                    mgr.acquire("before", key, timeout_s=0)
+                assert e.value.errno == errno.ENODEV and "went away" in e.value.message
+            with libchm.Device(again.node) as d:  # the queued one stages on the new server
+                token = mgr.acquire("before", keys[2], timeout_s=0)
+                assert d.read(token.offset, token.length) == data[2]
+            assert mgr.finish("before") == 1
+            assert [loc.key for loc in master.lookup(keys)] == keys
+            assert master.nodes()[0]["devices"][0].epoch == epoch
+            stats = mgr.stats()
+            assert (stats["devices_gone"], stats["devices_reopened"], stats["devices_new_epoch"]) == (1, 1, 0)
+            # Killed and restarted again under an idle Manager: the tick sees another server on the node.
+            again.kill()
+            with Server(media, srv.node):
+                clock.advance(1)
+                mgr.progress()
+                stats = mgr.stats()
+                assert (stats["devices_gone"], stats["devices_reopened"], stats["devices_new_epoch"]) == (2, 2, 0)
+                assert stats["devices"][0]["attached"] == 1
+                read_back(mgr, "again", keys, data, str(srv.path))
+            assert master.stats()["stale_blocks"] == 0
+
+
+def test_a_device_restarted_formatted_is_registered_again_and_its_old_blocks_dropped(tmp_path):
+    master, clock = Master(ManualClock()), ManualClock()
+    media = tmp_path / "m"
+    with Server(media) as srv, KVManager(0, [srv.node], master, clock, window_bytes=2 * BLOCK) as mgr:
+        path = {0: str(srv.path)}
+        keys, _, _ = store(master, path, 3)
+        old_epoch = mgr.devices()[0].epoch
+        assert mgr.hint("before", keys) == 3
+        srv.kill()
+        with Server(media, srv.node, "--format") as again:
+            with libchm.Device(again.node) as d:
+                new_epoch = d.info()["device_epoch"]
+            assert new_epoch != old_epoch
+            # The Master still has the old blocks; the hint meets the dead handle, reopens the device, sees
+            # the new epoch and registers the node again: the blocks it was given are stale.
+            assert mgr.hint("after", keys) == 3
+            for key in keys:
+                with pytest.raises(ChmError) as e:
+                    mgr.acquire("after", key, timeout_s=0)
+                assert e.value.errno == errno.ESTALE and f"epoch {new_epoch}" in e.value.message
+            assert master.nodes()[0]["devices"][0].epoch == mgr.devices()[0].epoch == new_epoch
+            assert master.lookup(keys) == [] and master.stats()["stale_blocks"] == 3
+            assert mgr.hint("later", keys) == 0
+            with pytest.raises(ChmError) as e:  # hinted before: staged ones gone, the queued one stale
+                mgr.acquire("before", keys[0], timeout_s=0)
+            assert e.value.errno == errno.ENODEV
+            with pytest.raises(ChmError) as e:
+                mgr.acquire("before", keys[2], timeout_s=0)
+            assert e.value.errno == errno.ESTALE
+            assert mgr.stats()["devices_new_epoch"] == 1
+            fresh, data, _ = store(master, path, 2, tag="fresh")  # the device serves new blocks
+            read_back(mgr, "fresh", fresh, data, path[0])
+            # Formatted again under an idle Manager: the tick notices and registers the next epoch.
+            again.kill()
+            with Server(media, srv.node, "--format"):
+                clock.advance(1)
+                mgr.progress()
+                with libchm.Device(srv.node) as d:
+                    assert master.nodes()[0]["devices"][0].epoch == d.info()["device_epoch"] != new_epoch
+                assert master.lookup(fresh) == [] and mgr.stats()["devices_new_epoch"] == 2
+
+
 def test_inputs_are_checked_and_named(setup, two_devices):
     master, _, mgr, _ = setup
     key = os.urandom(KEY_BYTES)
