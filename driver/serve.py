@@ -16,7 +16,7 @@ from emulator.errors import ChmError
 from .wire import DEFAULT_NODE, NodeError
 
 
-def _override(text: str) -> tuple[str, object]:
+def parse_override(text: str) -> tuple[str, object]:
     """``section.field=value``; the value is parsed as TOML (so 1e6, true, "lru" work)."""
     import tomllib
 
@@ -44,7 +44,7 @@ def register(sub) -> None:
                    help="media directory holding the SSD backing files (default: a temporary one, removed at exit)")
     p.add_argument("--node", default=DEFAULT_NODE, help="device node name under /dev/shm, or a path (default: chm0)")
     p.add_argument("--policy", choices=POLICY_NAMES, help="override the profile's policy.name")
-    p.add_argument("--set", dest="overrides", action="append", default=[], type=_override, metavar="FIELD=VALUE",
+    p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override, metavar="FIELD=VALUE",
                    help="override one profile field, e.g. --set dram.size_bytes=134217728 (repeatable)")
     p.add_argument("--pace", action="store_true",
                    help="hold each completion until wall time reaches its modelled finish")

@@ -85,7 +85,8 @@ class MediaMeta:
                            "device.page_size_bytes": page}, bool(clean))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path) -> None:
+    """Make a rename or a new file in directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -105,7 +106,7 @@ def write_meta(media_dir: Path, meta: MediaMeta) -> None:
         finally:
             os.close(fd)
         os.rename(tmp, path)
-        _fsync_dir(media_dir)
+        fsync_dir(media_dir)
     except OSError as exc:
         raise ChmError(exc.errno or errno.EIO, f"cannot write media metadata {str(path)!r}: {exc.strerror}") from None
 

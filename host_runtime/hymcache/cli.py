@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from driver.errors import ChmError
+from driver.serve import parse_override
 from emulator import cli
 from emulator.cli import UsageError, float_in, int_at_least
 
@@ -157,9 +158,8 @@ def _port(text: str) -> int:
 
 
 def _override(text: str) -> str:
-    key, sep, _ = text.partition("=")
-    if not sep or "." not in key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected section.field=value, e.g. dram.size_bytes=134217728")
+    """A device's ``--set``, checked as ``chm serve`` checks it, passed on to it as given."""
+    parse_override(text)
     return text
 
 

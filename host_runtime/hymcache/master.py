@@ -80,6 +80,7 @@ import msgspec
 import numpy as np
 
 from driver.errors import ChmError
+from emulator.media import fsync_dir
 
 from .clock import Clock, WallClock
 from .messages import KEY_BYTES, BlockLoc, DeviceInfo, WriteLoc, to
@@ -789,7 +790,7 @@ class Master:
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-        _fsync_dir(self.state_dir)
+        fsync_dir(self.state_dir)
         old_fd, old_gen = self._journal_fd, self._journal_gen
         self._open_journal(gen)
         if old_fd >= 0:
@@ -801,7 +802,7 @@ class Master:
         self._journal_fd = os.open(self._journal_path(gen), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         self._journal_gen = gen
         self._journal_dirty = False
-        _fsync_dir(self.state_dir)
+        fsync_dir(self.state_dir)
 
     def _recover(self, state_dir: str) -> None:
         os.makedirs(state_dir, exist_ok=True)
@@ -923,14 +924,6 @@ class Master:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: str) -> None:
