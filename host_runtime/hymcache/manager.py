@@ -48,7 +48,7 @@ import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import Clock, WallClock
 from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc, DeviceInfo, ReadToken, to
-from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer
+from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer, TypedClient
 
 LOOKUP_BATCH = 32              # keys per Master lookup, as the worker's Lookup
 WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
@@ -708,7 +708,7 @@ def serve_manager(manager: KVManager, endpoint: str, curve_keys: str | None = No
 FIRST_POLL_S = 50e-6  # ManagerClient's first pause before asking again for a block not staged yet
 
 
-class ManagerClient:
+class ManagerClient(TypedClient):
     """A KV Manager over ZeroMQ, the same methods (one thread at a time, like RpcClient).
 
     ``acquire``/``read`` poll the server (which never blocks on them) until ``timeout_s`` passes on ``clock``."""
@@ -765,14 +765,6 @@ class ManagerClient:
     def devices(self) -> list[DeviceInfo]:
         return to(list[DeviceInfo], self.rpc.call("devices"))
 
-    def close(self) -> None:
-        self.rpc.close()
-
-    def __enter__(self) -> "ManagerClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def run_manager(node: int, device_nodes: list[str], master_endpoint: str, endpoint: str = "tcp://127.0.0.1:0", *,

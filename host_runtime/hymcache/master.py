@@ -84,7 +84,7 @@ from emulator.media import fsync_dir
 
 from .clock import Clock, WallClock
 from .messages import KEY_BYTES, BlockLoc, DeviceInfo, WriteLoc, to
-from .rpc import RpcClient, RpcServer
+from .rpc import RpcClient, RpcServer, TypedClient
 
 ENTRY_DTYPE = np.dtype([
     ("key", "V16"), ("offset", "<u8"), ("checksum", "<u8"), ("lru", "<u8"),
@@ -971,7 +971,7 @@ def serve_master(master: Master, endpoint: str, curve_keys: str | None = None,
     return RpcServer(master, MASTER_METHODS, endpoint, tick=master.tick, tick_s=0.05, curve_keys=curve_keys, log=log)
 
 
-class MasterClient:
+class MasterClient(TypedClient):
     """The Master's methods over ZeroMQ, with typed results. One thread at a time (like RpcClient)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 10.0, curve_keys: str | None = None):
@@ -1003,14 +1003,6 @@ class MasterClient:
     def stats(self) -> dict:
         return self.rpc.call("stats")
 
-    def close(self) -> None:
-        self.rpc.close()
-
-    def __enter__(self) -> "MasterClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def run_master(endpoint: str, state_dir: str | None, *, placement: str = "round_robin", lease_s: float = 10.0,

@@ -186,3 +186,19 @@ class RpcClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class TypedClient:
+    """Base of the typed clients (MasterClient, ManagerClient): one ``RpcClient`` in ``self.rpc``,
+    closed with the client; a context manager."""
+
+    rpc: RpcClient
+
+    def close(self) -> None:
+        self.rpc.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
