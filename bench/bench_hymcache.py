@@ -5,8 +5,8 @@
     the same 32 keys and a bare ZeroMQ DEALER/ROUTER round trip of the same request size (floors).
 (b) Master metadata bytes per entry, index included (the Master's own measuring function).
 (c) One 16 MiB block of an earlier turn loaded on the device's machine:
-    Lookup -> KV Manager (hint, prefetch, read token) -> connector (libchm read into its staging
-    buffer, copy into the engine's KV), checksum off and on; beside a bare libchm ``read_into`` of the
+    Lookup -> KV Manager (hint, prefetch, read token) -> connector (libchm reads of the block's
+    pieces into its staging buffer, each copied into the engine's KV as it lands), checksum off and on; beside a bare libchm ``read_into`` of the
     same block (the floor; goal: >= 0.8 of it with the checksum off). And the ZeroMQ path of a worker
     on another machine (the block read through the Manager as a zero-copy frame): cost per block.
 
@@ -446,7 +446,7 @@ def main(argv: list[str]) -> int:
         s = blk[key]
         print(f"    {label:<58} {1e3 * s:8.2f} {args.block_bytes / s / 1e9:7.2f} {base / s:8.2f}")
     print(f"    of the local path (checksum off): Lookup (Master lookup + hint) {1e3 * blk['lookup_False']:.2f} ms, "
-          f"connector load (acquire: staged by the Manager's prefetch; read_into; copy into KV; release) "
+          f"connector load (acquire: staged by the Manager's prefetch; reads and copies into KV; release posted) "
           f"{1e3 * blk['load_False']:.2f} ms")
     print(f"    checksum (xxh3) on the local path: {1e3 * (blk['connector_checked'] - blk['connector']):+.2f} ms per "
           f"block; the ZeroMQ path over the local one: {1e3 * (blk['zmq'] - blk['connector']):+.2f} ms per block")

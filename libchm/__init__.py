@@ -236,6 +236,29 @@ class Device:
         n = self._length("buffer length", len(dst), addr)
         return self._finish(lib.chm_read(self.dev, addr, dst, n), f"read of {n} bytes at {addr}")
 
+    def submit_read(self, addr: int, buf, user_data: int = 0) -> None:
+        """Queue a read of ``len(buf)`` bytes at ``addr`` into ``buf``, a slice of ``buffer()``: the device
+        copies while the caller goes on. Its completion comes from ``reap`` (in submission order); while any
+        is in flight the synchronous calls fail with EBUSY. EFAULT: ``buf`` is not inside ``buffer()``."""
+        addr = self._address(addr)
+        user_data = _in_range("user_data", user_data, 0, 2**64 - 1)
+        try:
+            dst = ffi.from_buffer(buf, require_writable=True)
+        except (TypeError, BufferError):
+            raise ChmError(errno.EINVAL, f"buf must be a writable slice of buffer(), not {type(buf).__name__}") \
+                from None
+        n = self._length("buffer length", len(dst), addr)
+        self._finish(lib.chm_submit_read(self.dev, addr, dst, n, user_data), f"submit of a read of {n} bytes at {addr}")
+
+    def reap(self, min_wait: int = 1, max_completions: int = 64) -> list[tuple[int, int, int]]:
+        """Completions of submitted commands, oldest first: ``(user_data, bytes moved or -errno, modelled
+        latency ns)``; waits until at least ``min_wait`` are there (EINVAL if more than are in flight)."""
+        max_completions = _in_range("max_completions", max_completions, 1, wire.CHM_MAX_ENTRIES)
+        min_wait = _in_range("min_wait", min_wait, 0, max_completions)
+        out = ffi.new("struct chm_completion[]", max_completions)
+        n = self._finish(lib.chm_reap(self.dev, out, max_completions, min_wait), f"reap waiting for {min_wait} completions (no more than are in flight)")
+        return [(out[i].user_data, out[i].res, out[i].latency_ns) for i in range(n)]
+
     def prefetch(self, addr: int, size: int) -> int:
         addr = self._address(addr)
         size = self._length("size", size, addr)

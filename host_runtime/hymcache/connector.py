@@ -9,8 +9,10 @@ per role, and talk only through the metadata the scheduler side builds each step
   never the prompt's last token), ``update_state_after_alloc``, ``build_connector_meta`` (a fresh
   metadata object per step), ``request_finished``;
 * worker side: ``register_kv_caches``, ``bind_connector_metadata``, ``start_load_kv`` (loads every
-  block of the step: Manager ``acquire`` -> libchm ``read_into`` the handle's staging buffer ->
-  xxh3 check -> copy into the engine's paged KV -> ``release``), ``wait_for_layer_load`` (nothing
+  block of the step: Manager ``acquire`` -> libchm ``submit_read`` of the block's pieces (whole
+  layers, about 1 MiB) into the handle's staging buffer -> as each lands, xxh3 of it and a copy into
+  the engine's paged KV, while the device moves the next -> ``release``, not waited for),
+  ``wait_for_layer_load`` (nothing
   left to wait for: loads finish in ``start_load_kv``, as LMCache's non-layerwise mode),
   ``save_kv_layer`` (copies each layer of the blocks to store straight into the staging buffer of
   the device the Master chose), ``wait_for_save`` (device writes; refused ones skipped; one
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Callable
 
+import numpy as np
 import torch
 import xxhash
 
@@ -59,6 +62,10 @@ KV_LAYOUT = "layer,kv,token,head,dim"
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 STAGING_BYTES_MAX = 1 << 30  # libchm's CHM_MAX_STAGING_BYTES: the most one device handle stages
 TRANSFERS = ("local", "remote")
+# A block is read in pieces of about this many bytes (whole layers), so the copy into the engine's KV of
+# one piece runs while the device copies the next; big enough that a piece's command costs little.
+READ_PIECE_BYTES = 1 << 20
+MAX_READ_PIECES = 32  # in flight at once on one handle: half of libchm's default queue depth
 FIGURES_KEPT = 4096          # per-request figures kept for callers (chat rows), oldest dropped first
 
 
@@ -393,7 +400,7 @@ class HyMCacheConnector:
     def _finish_on(self, request_id: str, nodes) -> None:
         for node in nodes:
             try:
-                self.manager_for_node(node).finish(request_id)
+                self.manager_for_node(node).finish_later(request_id)
             except ChmError as exc:
                 self.log(f"finish of request {request_id} on node {node}: {exc}")
 
@@ -444,6 +451,10 @@ class HyMCacheConnector:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.layer_bytes = caches[0][0].numel() * caches[0].element_size()
         self.block_bytes = self.layer_bytes * len(caches)
+        # byte views [num_blocks, layer_bytes] of each layer's KV, for the loads' copies
+        self._kv_bytes = [kv.view(torch.uint8).numpy().reshape(kv.shape[0], -1) for kv in caches]
+        per_piece = max(-(-READ_PIECE_BYTES // self.layer_bytes), -(-len(caches) // MAX_READ_PIECES))
+        self._pieces = [(lo, min(lo + per_piece, len(caches))) for lo in range(0, len(caches), per_piece)]
         if self.block_bytes > self.config.staging_bytes:
             raise ChmError(errno.EINVAL, f"staging_buffer_size {self.config.staging_buffer_size} GB is outside the "
                                          f"allowed range: at least one block ({self.block_bytes} bytes)")
@@ -538,36 +549,75 @@ class HyMCacheConnector:
             if token.length != self.block_bytes:
                 raise ChmError(errno.EPROTO, f"stored block is {token.length} bytes; this engine's blocks are "
                                              f"{self.block_bytes}")
+            checksum_of = xxhash.xxh3_64() if self.config.verify_checksum else None
             if data is not None:  # remote: the block came in a ZeroMQ frame; into our transfer space
                 if len(data) != self.block_bytes:
                     raise ChmError(errno.EPROTO, f"the Manager sent {len(data)} bytes for a block of {token.length}")
                 staging = self._host_staging(self.block_bytes)[:self.block_bytes]
                 staging[:] = data
+                if checksum_of is not None:
+                    checksum_of.update(staging)
+                self._copy_into_kv(block_id, 0, len(self.kv_caches), staging)
             else:
                 try:
                     dev = self._device(token.node, token.device)
-                    staging = dev.buffer()[:self.block_bytes]
-                    dev.read_into(token.offset, staging)  # device -> staging buffer, no copy in between
+                    device_ns = self._read_in_pieces(dev, token, block_id, checksum_of)
                 except ChmError:
                     self._drop_device(token.node, token.device)  # gone or restarted: reopen next time
                     raise
-                fig.device_time_ns += dev.last_latency_ns
-                self.counters["device_time_ns"] += dev.last_latency_ns
-            if self.config.verify_checksum and xxhash.xxh3_64_intdigest(staging) != token.checksum:
+                fig.device_time_ns += device_ns
+                self.counters["device_time_ns"] += device_ns
+            # Checked once the whole block is in: a block that fails is a load error, and the engine
+            # recomputes it (and what follows), overwriting what was copied.
+            if checksum_of is not None and checksum_of.intdigest() != token.checksum:
                 self._remove(key)
                 raise ChmError(errno.EBADMSG, f"block at offset {token.offset} of device {token.device} fails its "
                                               "xxh3 checksum")
-            view = torch.frombuffer(staging, dtype=self.kv_caches[0].dtype).view(len(self.kv_caches),
-                                                                                  *self.kv_caches[0].shape[1:])
-            for layer, kv in enumerate(self.kv_caches):  # staging buffer -> engine KV
-                kv[block_id].copy_(view[layer])
             fig.loaded_bytes += self.block_bytes
             self.counters["loaded_bytes"] += self.block_bytes
         finally:
             try:
-                manager.release(rid, key)
+                manager.release_later(rid, key)  # its outcome is not needed: off the load's critical path
             except ChmError as exc:
                 self.log(f"release of block {key.hex()} of request {rid}: {exc}")
+
+    def _read_in_pieces(self, dev, token, block_id: int, checksum_of) -> int:
+        """Device -> staging buffer -> engine KV, pipelined: the device copies piece i + 1 into the staging
+        buffer while this thread copies piece i into the KV (and hashes it). Pieces are whole layers.
+        The modelled device time of the block (its pieces, served back to back), in ns."""
+        staging = dev.buffer()[:self.block_bytes]
+        in_flight = device_ns = 0
+        try:
+            for i, (lo, hi) in enumerate(self._pieces):
+                dev.submit_read(token.offset + lo * self.layer_bytes,
+                                staging[lo * self.layer_bytes:hi * self.layer_bytes], user_data=i)
+                in_flight += 1
+            for lo, hi in self._pieces:
+                ((_, moved, latency_ns),) = dev.reap(1, 1)
+                in_flight -= 1
+                if moved < 0:
+                    raise ChmError(-moved, f"read of layers {lo}..{hi - 1} of the block at offset {token.offset} "
+                                           f"of device {token.device}: {os.strerror(-moved)}")
+                device_ns += latency_ns
+                piece = staging[lo * self.layer_bytes:hi * self.layer_bytes]
+                if checksum_of is not None:
+                    checksum_of.update(piece)
+                self._copy_into_kv(block_id, lo, hi, piece)
+        finally:
+            while in_flight:  # never leave the handle with commands in flight (its sync calls would get EBUSY)
+                try:
+                    in_flight -= len(dev.reap(in_flight, in_flight))
+                except ChmError:
+                    break  # the device went away: our caller drops the handle
+        return device_ns
+
+    def _copy_into_kv(self, block_id: int, lo: int, hi: int, src) -> None:
+        """Layers ``lo..hi - 1`` of one block (``src``: their bytes in the block layout) into the engine's KV.
+        One thread (numpy's memcpy): torch's parallel copy waits for a core that the device or the Manager
+        holds, and a copy this size gains nothing from a second thread."""
+        for layer in range(lo, hi):
+            self._kv_bytes[layer][block_id] = np.frombuffer(src, np.uint8, self.layer_bytes,
+                                                            (layer - lo) * self.layer_bytes)
 
     @staticmethod
     def _unpack(result) -> tuple:

@@ -532,6 +532,10 @@ class KVManager:
             self.progress()
             return True
 
+    def release_later(self, request_id: str, key: bytes) -> None:
+        """``release`` for a caller that does not need its outcome (over ZeroMQ nobody waits for the answer)."""
+        self.release(request_id, key)
+
     def _drop(self, req: _Request, block: _Block) -> None:
         """Release ``block``'s device handle (the device may be gone: the handle went with it)."""
         if block.state in (ISSUED, STAGED) and block.handle:
@@ -567,6 +571,10 @@ class KVManager:
             released = self._cancel(req)
             self.progress()
             return released
+
+    def finish_later(self, request_id: str) -> None:
+        """``finish`` for a caller that does not need its outcome."""
+        self.finish(request_id)
 
     def touch(self, request_ids: list[str]) -> int:
         """Keep requests alive (a worker busy between acquires); how many were still here."""
@@ -752,6 +760,13 @@ class ManagerClient(TypedClient):
 
     def finish(self, request_id: str) -> int:
         return self.rpc.call("finish", request_id)
+
+    def release_later(self, request_id: str, key: bytes) -> None:
+        """Sent without waiting for the answer: the load goes on while the Manager releases."""
+        self.rpc.post("release", request_id, key)
+
+    def finish_later(self, request_id: str) -> None:
+        self.rpc.post("finish", request_id)
 
     def touch(self, request_ids: list[str]) -> int:
         return self.rpc.call("touch", list(request_ids))

@@ -178,6 +178,12 @@ class RpcClient:
                 raise RemoteError(err, f"{method} at {self.endpoint}: {message}")
             return (result, [f.buffer for f in reply[2:]]) if frames else result
 
+    def post(self, method: str, *args) -> None:
+        """``method(*args)`` on the server without waiting: for calls whose outcome the caller does not need.
+        Its answer is dropped when a later ``call`` reads past it, as a timed-out call's is."""
+        call_id = next(self._ids).to_bytes(8, "little")
+        self.sock.send_multipart([call_id, _encode((method, list(args)))], copy=False)
+
     def close(self) -> None:
         self.sock.close(0)
 

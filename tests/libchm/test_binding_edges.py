@@ -301,3 +301,32 @@ def test_info_carries_the_nodes_device_epoch(served, dev):
         finally:
             node.seek(offset)
             node.write(published)
+
+
+def test_submitted_reads_land_in_the_buffer_and_complete_in_order(dev):
+    data = bytes(range(256)) * (3 * 4096 // 256)
+    dev.write(0, data)
+    view = dev.buffer()
+    for i in range(3):
+        dev.submit_read(i * 4096, view[i * 4096:(i + 1) * 4096], user_data=100 + i)
+    with pytest.raises(ChmError) as exc:  # the synchronous calls wait until they are reaped
+        dev.read(0, 1)
+    assert exc.value.errno == errno.EBUSY
+    done = dev.reap(3, 3)
+    assert [(u, n) for u, n, _ in done] == [(100, 4096), (101, 4096), (102, 4096)]
+    assert all(latency > 0 for _, _, latency in done)
+    assert bytes(view[:3 * 4096]) == data
+    assert dev.read(0, 4) == data[:4]  # synchronous again
+
+
+@pytest.mark.parametrize("call, err, words", [
+    (lambda d: d.submit_read(0, bytearray(16)), errno.EFAULT, "outside the staging buffer"),
+    (lambda d: d.submit_read(0, d.buffer()[:16], user_data=-1), errno.EINVAL, "user_data"),
+    (lambda d: d.submit_read(0, b"read-only"), errno.EINVAL, "writable"),
+    (lambda d: d.reap(1), errno.EINVAL, "in flight"),
+    (lambda d: d.reap(2, 1), errno.EINVAL, "min_wait"),
+])
+def test_submit_and_reap_arguments_are_checked(dev, call, err, words):
+    with pytest.raises(ChmError) as exc:
+        call(dev)
+    assert exc.value.errno == err and words in str(exc.value)

@@ -238,6 +238,72 @@ def test_corrupted_block_is_a_load_error_recomputed_and_stored_again(smol, in_pr
     engine.shutdown()
 
 
+def test_a_block_read_layer_by_layer_is_identical_and_a_bad_last_layer_is_still_caught(smol, in_process_set,
+                                                                                      monkeypatch):
+    from host_runtime.hymcache import connector as connector_module
+
+    monkeypatch.setattr(connector_module, "READ_PIECE_BYTES", 1)  # one piece per layer: the most commands
+    model, tok = smol
+    master, manager, device = in_process_set()
+    prompt = tok.encode(tok.chat_prompt("Name four rivers of Europe and the seas they flow into, with one sentence "
+                                        "about the cities on the banks of each."))
+    sched, worker = connector_pair({"staging_buffer_size": 0.05}, master=master, manager_for_node=lambda n: manager)
+    engine = PagedEngine(model, chunk_size=BS, num_blocks=64, connector=(sched, worker))
+    reference = PagedEngine(model, chunk_size=BS, num_blocks=64)
+    engine.generate("first", prompt, 2, tok.eos_id)
+    assert len(worker._pieces) == len(worker.kv_caches) > 1
+    again = engine.generate("again", prompt, 2, tok.eos_id)
+    ref = reference.generate("ref", prompt, 2, tok.eos_id)
+    assert again.reused_tokens == (len(prompt) - 1) // BS * BS and worker.figures["again"].load_errors == 0
+    assert again.output_token_ids == ref.output_token_ids
+    assert torch.equal(again.first_token_logits, ref.first_token_logits)
+    locs = master.lookup(block_keys(prompt, BS, sched.fingerprint))
+    with libchm.Device(device.node) as dev:  # garbage over the last layer of block 1
+        dev.write(locs[1].offset + locs[1].length - 4096, b"\x5a" * 4096)
+        dev.flush()
+    third = engine.generate("third", prompt, 2, tok.eos_id)
+    assert worker.figures["third"].load_errors == 1 and third.reused_tokens == BS
+    assert third.output_token_ids == ref.output_token_ids
+    assert torch.equal(third.first_token_logits, ref.first_token_logits)
+    fourth = engine.generate("fourth", prompt, 2, tok.eos_id)  # the handle took every completion back
+    assert worker.figures["fourth"].load_errors == 0 and fourth.reused_tokens == (len(prompt) - 1) // BS * BS
+    engine.shutdown()
+
+
+class _PiecesDevice:
+    """A libchm handle whose second piece fails: the connector must take every completion back."""
+
+    def __init__(self, buf: bytearray):
+        self.buf, self.in_flight = buf, []
+
+    def buffer(self):
+        return memoryview(self.buf)
+
+    def submit_read(self, addr, view, user_data):
+        self.in_flight.append((user_data, -errno.EIO if user_data == 1 else len(view), 7))
+
+    def reap(self, min_wait=1, max_completions=64):
+        done, self.in_flight = self.in_flight[:max_completions], self.in_flight[max_completions:]
+        return done
+
+
+def test_a_piece_that_fails_ends_the_load_with_no_command_left_in_flight():
+    from host_runtime.hymcache.connector import READ_PIECE_BYTES
+    from host_runtime.hymcache.messages import ReadToken
+
+    worker = HyMCacheConnector({"chunk_size": 4, "staging_buffer_size": 0.1}, KVConnectorRole.WORKER,
+                               master=Master(WallClock()))
+    layers = 4  # 1 MiB per layer and block: one layer per piece
+    worker.register_kv_caches({f"l{i}": torch.zeros(2, 2, 4, 8, READ_PIECE_BYTES // (2 * 4 * 8 * 4)) for i in range(layers)})
+    assert len(worker._pieces) == layers
+    dev = _PiecesDevice(bytearray(worker.block_bytes))
+    token = ReadToken("r", b"k" * 16, 0, 0, 0, worker.block_bytes, 0, 1)
+    with pytest.raises(ChmError) as exc:
+        worker._read_in_pieces(dev, token, 1, None)
+    assert exc.value.errno == errno.EIO and "layers 1..1" in str(exc.value)
+    assert dev.in_flight == []
+
+
 def test_a_killed_device_means_load_errors_and_recomputation_never_wrong_tokens(smol, in_process_set):
     model, tok = smol
     master, manager, device = in_process_set()

@@ -78,6 +78,35 @@ def test_a_slow_answer_times_out_and_is_dropped_when_it_comes_late(served):
         assert c.call("add", 20, 22) == 42  # not the late "late"
 
 
+class Counter:
+    def __init__(self):
+        self.seen = []
+
+    def note(self, x):
+        self.seen.append(x)
+        return x
+
+    def fail(self):
+        raise ChmError(errno.EIO, "posted calls' errors are not the caller's")
+
+
+def test_posted_calls_run_in_order_and_their_answers_never_reach_a_later_call():
+    target = Counter()
+    srv = RpcServer(target, ["note", "fail"], "tcp://127.0.0.1:0")
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with RpcClient(srv.endpoint, 5) as c:
+            for i in range(5):
+                c.post("note", i)
+            c.post("fail")
+            assert c.call("note", "last") == "last"  # not a posted call's answer, not its error
+            assert target.seen == [0, 1, 2, 3, 4, "last"]
+    finally:
+        srv.stop()
+        thread.join(5)
+
+
 def test_a_dead_server_times_out(served):
     c = RpcClient(served.endpoint, 5)
     assert c.call("add", 1, 2) == 3
