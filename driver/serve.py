@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 from emulator import cli
-from emulator.config import POLICY_NAMES, load_profile
+from emulator.config import FIELDS_BY_KEY, load_profile
 from emulator.controller import DRAIN_TIMEOUT_S
 from emulator.errors import ChmError
 
@@ -30,6 +30,14 @@ def parse_override(text: str) -> tuple[str, object]:
     return key.strip(), parsed
 
 
+def _policy_name(text: str) -> str:
+    try:  # the config's own check of policy.name: one registry of policies
+        FIELDS_BY_KEY["policy.name"].check(text, "--policy")
+    except ChmError as exc:  # argparse names the option already
+        raise argparse.ArgumentTypeError(exc.message.removeprefix("--policy: ")) from None
+    return text
+
+
 MAX_DRAIN_TIMEOUT_S = 86_400  # a day: beyond this a typo is likelier than intent
 MAX_SPIN_US = 100_000
 
@@ -43,7 +51,8 @@ def register(sub) -> None:
     p.add_argument("--media", metavar="DIR",
                    help="media directory holding the SSD backing files (default: a temporary one, removed at exit)")
     p.add_argument("--node", default=DEFAULT_NODE, help="device node name under /dev/shm, or a path (default: chm0)")
-    p.add_argument("--policy", choices=POLICY_NAMES, help="override the profile's policy.name")
+    p.add_argument("--policy", metavar="NAME", type=_policy_name,
+                   help="override the profile's policy.name (a registered policy; a wrong name lists them)")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=parse_override, metavar="FIELD=VALUE",
                    help="override one profile field, e.g. --set dram.size_bytes=134217728 (repeatable)")
     p.add_argument("--pace", action="store_true",

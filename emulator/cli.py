@@ -151,6 +151,7 @@ def _info(args) -> int:
         return print_device_info(args.device, args.json)
 
     from .config import load_profile
+    from .policies import policy_class
 
     cfg = load_profile(args.profile)
     if args.json:
@@ -165,9 +166,7 @@ def _info(args) -> int:
                      f"striped in {format_bytes(cfg.ssd.stripe_bytes)} units"),
         ("DRAM", f"{format_bytes(cfg.dram.size_bytes)} = {cfg.dram_frames} frames of {format_bytes(page)}, "
                  f"{cfg.dram.latency_ns:g} ns, {cfg.dram.bandwidth_gbps:g} GB/s"),
-        ("policy", cfg.policy.name + (f" (write buffer {format_bytes(cfg.write_buffer_frames * page)}, "
-                                      f"read staging {format_bytes(cfg.read_staging_frames * page)})"
-                                      if cfg.policy.name == "hymcache" else "")),
+        ("policy", policy_class(cfg.policy.name).describe(cfg)),
         ("prefetch window", f"{format_bytes(cfg.policy.prefetch_window_bytes)}, {cfg.policy.prefetch_max_handles} handles"),
         ("host link", f"{cfg.host_link.kind}, {cfg.host_link.latency_ns:g} ns, {cfg.host_link.bandwidth_gbps:g} GB/s"),
         ("controller", f"{cfg.controller.clock_mhz:g} MHz; cycles: command {cfg.controller.cycles_per_command}, "

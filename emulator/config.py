@@ -1,8 +1,10 @@
 """Device profiles: the modelled hardware and the emulator's settings.
 
-A profile is a TOML file with the sections and fields listed in ``FIELDS``.
-Every field is checked on load (type and range); errors name the profile, the
-field, the value and the allowed range. Units are in the field names: bytes,
+A profile is a TOML file with the sections and fields listed in ``FIELDS``,
+plus each DRAM policy's own section ``[policy.NAME]`` (the fields its class
+declares in ``config_fields``; see ``emulator.policies``). Every field is
+checked on load (type and range); errors name the profile, the field, the
+value and the allowed range. Units are in the field names: bytes,
 nanoseconds, GB/s (1 GB/s is exactly one byte per nanosecond, which keeps the
 timing model free of unit conversions).
 """
@@ -16,14 +18,13 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 IO_ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths
 
-POLICY_NAMES = ("lru", "hymcache")
 FAULT_ERRNOS = ("none", "ENOSPC", "EIO")  # what an injected media failure completes with
 FAULT_OPS = ("write", "read", "any")
 _REQUIRED = object()  # Field.default of a field every profile must give
@@ -39,10 +40,15 @@ class Field:
     choices: tuple | None = None
     doc: str = ""
     default: Any = _REQUIRED  # a field with a default may be left out of a profile
+    validator: Callable[[Any], str | None] | None = None  # a further check: None, or what is wrong with the value
 
     @property
     def key(self) -> str:
         return f"{self.section}.{self.name}"
+
+    @property
+    def required(self) -> bool:
+        return self.default is _REQUIRED
 
     def check(self, value: Any, where: str) -> Any:
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -58,7 +64,15 @@ class Field:
                 raise ConfigError(f"{where}: {self.key} = {value!r} must be finite")
             if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
                 raise ConfigError(f"{where}: {self.key} = {value!r} is out of range [{self.lo:g}, {self.hi:g}]")
+        if self.validator is not None and (problem := self.validator(value)) is not None:
+            raise ConfigError(f"{where}: {self.key} = {value!r} {problem}")
         return value
+
+
+def _policy_name_problem(name: str) -> str | None:
+    from .policies import name_problem  # the registry imports this module
+
+    return name_problem(name)
 
 
 FIELDS: tuple[Field, ...] = (
@@ -84,7 +98,8 @@ FIELDS: tuple[Field, ...] = (
     Field("ssd", "write_bandwidth_gbps", float, 0.001, 1e4),
     Field("ssd", "parallelism", int, 1, 1_000_000, doc="commands one SSD serves at once (channels x dies)"),
     Field("ssd", "read_slowdown_under_writes", float, 1, 100, doc="read service-time factor while writes are in flight"),
-    Field("policy", "name", str, choices=POLICY_NAMES, doc="default DRAM policy"),
+    Field("policy", "name", str, validator=_policy_name_problem,
+          doc="DRAM policy: a registered name (emulator.policies.available()) or libcachesim:ALGORITHM"),
     Field("policy", "write_buffer_fraction", float, 0, 0.95, doc="hymcache: share of DRAM reserved as write buffer"),
     Field("policy", "prefetch_window_bytes", int, 0, 64 * TiB, doc="most bytes of prefetched objects held at once"),
     Field("policy", "prefetch_max_handles", int, 1, 1 << 20, doc="most prefetch handles outstanding at once"),
@@ -115,6 +130,7 @@ class Config(SimpleNamespace):
     """A validated profile: ``cfg.ssd.read_latency_ns`` etc., plus derived sizes."""
 
     source: str
+    _splits_dram: bool  # the policy's capability (emulator.policies), resolved once by from_dict
 
     # ---- derived quantities: one definition each -------------------------
     @property
@@ -127,7 +143,7 @@ class Config(SimpleNamespace):
 
     @property
     def write_buffer_frames(self) -> int:
-        if self.policy.name != "hymcache":
+        if not self._splits_dram:  # the policy's capability, resolved once by from_dict
             return 0
         return int(self.dram_frames * self.policy.write_buffer_fraction)
 
@@ -136,16 +152,66 @@ class Config(SimpleNamespace):
         return self.dram_frames - self.write_buffer_frames
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
-        return {s: dict(vars(getattr(self, s))) for s in SECTIONS}
+        """{section: {field: value}}; a policy's own section is a nested dict (``raw["policy"]["s3fifo"]``)."""
+        def plain(value):
+            return dict(vars(value)) if isinstance(value, SimpleNamespace) else value
+
+        return {s: {k: plain(v) for k, v in vars(getattr(self, s)).items()} for s in SECTIONS}
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Config":
+        """``overrides`` maps ``section.field`` (or ``policy.NAME.field``, a policy's own section) to values."""
         raw = self.as_dict()
         for key, value in overrides.items():
-            if key not in FIELDS_BY_KEY:
-                raise ConfigError(f"{self.source}: unknown field {key!r}; known fields: {', '.join(FIELDS_BY_KEY)}")
-            section, name = key.split(".")
-            raw[section][name] = value
+            if key in FIELDS_BY_KEY:
+                section, name = key.split(".")
+                raw[section][name] = value
+                continue
+            parts = key.split(".") if isinstance(key, str) else []
+            if len(parts) != 3 or parts[0] != "policy":
+                raise ConfigError(f"{self.source}: unknown field {key!r}; known fields: {', '.join(FIELDS_BY_KEY)} "
+                                  f"and policy.NAME.FIELD of a policy's own section")
+            _, policy, name = parts
+            if name not in _policy_fields(policy, self.source):
+                raise ConfigError(f"{self.source}: unknown field {key!r}; {_known_policy_fields(policy)}")
+            section = raw["policy"].setdefault(policy, {})
+            section[name] = value
         return from_dict(raw, source=f"{self.source}+overrides")
+
+
+def _policy_fields(policy: str, source: str) -> dict[str, Field]:
+    """The fields of policy ``policy``'s own section (``[policy.NAME]``), by name."""
+    from .policies import name_problem, policy_class  # the registry imports this module
+
+    problem = name_problem(policy)
+    if problem is not None:
+        raise ConfigError(f"{source}: unknown section [policy.{policy}]: {policy!r} {problem}")
+    return {f.name: f for f in policy_class(policy).config_fields}
+
+
+def _known_policy_fields(policy: str) -> str:
+    from .policies import policy_class
+
+    fields = policy_class(policy).config_fields
+    if not fields:
+        return f"policy {policy!r} has no fields of its own"
+    return f"policy {policy!r} has the fields {', '.join(f.key for f in fields)}"
+
+
+def _policy_sections(name: str, given: Mapping[str, Any], source: str) -> dict[str, SimpleNamespace]:
+    """The policies' own sections: each one given (validated, defaults filled in), and the active
+    policy ``name``'s even when not given (all defaults)."""
+    wanted = dict(given)
+    if name not in wanted and _policy_fields(name, source):
+        wanted[name] = {}
+    sections = {}
+    for policy, values in wanted.items():
+        fields = _policy_fields(policy, source)
+        for key in values:
+            if key not in fields:
+                raise ConfigError(f"{source}: unknown field policy.{policy}.{key}; {_known_policy_fields(policy)}")
+        sections[policy] = SimpleNamespace(**{
+            f.name: f.check(values[f.name], source) if f.name in values else f.default for f in fields.values()})
+    return sections
 
 
 def from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
@@ -162,18 +228,25 @@ def from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
         if not isinstance(given, Mapping):
             raise ConfigError(f"{source}: missing section [{section}]")
         values = {}
+        # [policy.NAME] tables: the policies' own sections, checked below against the policy's fields
+        subsections = {k: v for k, v in given.items() if isinstance(v, Mapping)} if section == "policy" else {}
         for name in given:
-            if f"{section}.{name}" not in FIELDS_BY_KEY:
+            if name not in subsections and f"{section}.{name}" not in FIELDS_BY_KEY:
                 raise ConfigError(f"{source}: unknown field {section}.{name}")
         for field in (f for f in FIELDS if f.section == section):
             if field.name not in given:
-                if field.default is _REQUIRED:
+                if field.required:
                     raise ConfigError(f"{source}: missing field {field.key}")
                 values[field.name] = field.default
                 continue
             values[field.name] = field.check(given[field.name], source)
+        if section == "policy":
+            values.update(_policy_sections(values["name"], subsections, source))
         sections[section] = SimpleNamespace(**values)
+    from .policies import policy_class  # the registry imports this module
+
     cfg = Config(source=source, **sections)
+    cfg._splits_dram = policy_class(cfg.policy.name).splits_dram
     _check_consistency(cfg)
     return cfg
 
@@ -200,13 +273,9 @@ def _check_consistency(cfg: Config) -> None:
     need(cfg.faults.first_failing_op == 0 or cfg.faults.errno != "none",
          f"faults.first_failing_op = {cfg.faults.first_failing_op} needs faults.errno set to one of "
          f"{', '.join(FAULT_ERRNOS[1:])} (it is 'none')")
-    if cfg.policy.name == "hymcache":
-        need(cfg.write_buffer_frames >= 1,
-             f"policy.write_buffer_fraction = {cfg.policy.write_buffer_fraction} leaves no write-buffer frame "
-             f"out of {cfg.dram_frames} (hymcache needs at least 1)")
-        need(cfg.policy.flush_batch_bytes <= cfg.write_buffer_frames * page,
-             f"policy.flush_batch_bytes = {cfg.policy.flush_batch_bytes} exceeds the write buffer "
-             f"({cfg.write_buffer_frames} frames of {page} bytes)")
+    from .policies import policy_class
+
+    policy_class(cfg.policy.name).check_config(cfg, need)  # the policy's own rules (sizes its structures need)
 
 
 def profile_names() -> list[str]:

@@ -204,11 +204,9 @@ class Controller:
             page = self.policy.page_of(frame)
             if page is None:
                 del self.read_error[frame]
-            elif self.policy.pins(frame) == 0 and not self.queued[frame]:
-                area = self.policy.area_of(frame)
-                if not area.table.dirty[frame - area.base]:
-                    area.table.invalidate(frame - area.base)
-                    del self.read_error[frame]
+            elif self.policy.pins(frame) == 0 and not self.queued[frame] and not self.policy.is_dirty(frame):
+                self.policy.drop(frame)
+                del self.read_error[frame]
 
     def _ssd_of(self, page: int):
         return self.timing.ssds[locate(self.cfg, page * self.page)[0]]
@@ -699,6 +697,7 @@ class Controller:
         s["busy_ns"] = self.timing.busy()
         s["latency"] = self.timing.latencies.summary()
         s["slowed_reads"] = sum(x.slowed_reads for x in self.timing.ssds)
+        s["policy_counters"] = self.policy.counters()  # the policy's own events (libcachesim: its divergences)
         if self.backend is not None:
             s["direct_io"] = self.backend.direct
         s["device_epoch"] = self.device_epoch

@@ -28,7 +28,7 @@ def bad_files(tmp_path_factory):
 CASES = {
     "info": (["--profile"], ["--profile", "{d}/bad.toml"]),
     "demo": (["--objects", "0"], ["--objects", "2", "--media-dir", "{d}/no/such/dir"]),
-    "serve": (["--policy", "fifo"], ["--profile", "{d}/bad.toml", "--node", NO_NODE]),
+    "serve": (["--policy", "nonesuch"], ["--profile", "{d}/bad.toml", "--node", NO_NODE]),
     "stats": ([NO_NODE, "extra"], [NO_NODE]),
     "replay": (["microbench", "--turns", "0"], ["{d}/truncated.jsonl", "--no-progress"]),
     "hybridgen": (["model-perf", "--kv-ratio", "2"], ["model-perf", "--platform", "{d}/bad.toml"]),

@@ -214,7 +214,7 @@ def test_shipped_profiles_load(name):
     ("ssd.read_latency_ns", -5.0, ["ssd.read_latency_ns", "-5", "out of range"]),
     ("ssd.count", 0, ["ssd.count", "0", "[1, 64]"]),
     ("ssd.count", "two", ["ssd.count", "'two'", "int"]),
-    ("policy.name", "fifo", ["policy.name", "fifo", "lru, hymcache"]),
+    ("policy.name", "nonesuch", ["policy.name", "nonesuch", "fifo", "hymcache", "lru"]),
     ("device.page_size_bytes", 12288, ["power of two"]),
     ("dram.size_bytes", 4096 * 10 + 1, ["multiple of device.page_size_bytes"]),
     ("policy.prefetch_window_bytes", 256 << 20, ["prefetch_window_bytes", "read-staging"]),
