@@ -3,39 +3,75 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import tomllib
 from pathlib import Path
 
 from emulator.cli import UsageError, float_in, int_at_least
+from emulator.config import FIELDS_BY_KEY, load_profile
+from emulator.errors import ConfigError
 
 from .driver import DEFAULT_WINDOW_BYTES, VARIANTS, Replay, replay_config
+from .lcs_trace import TRACE_FORMATS, LibCacheSimTrace, parse_trace_params, trace_format
 from .models import MODELS, get_model, parse_bytes
 from .report import format_summary, format_table, write_outputs
 from .traces import (ConversationGenerator, HymcacheMicrobench, MooncakeTrace, RandomReadBench,
                      check_mooncake_tokens_per_block)
 
 GENERATORS = ("microbench", "conversation", "randread")
+MOONCAKE = "mooncake"  # --trace-format of the Mooncake JSONL reader (ours); every other format is libCacheSim's
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "replay", help="replay a trace or generated workload on the device model (virtual time, data off)",
-        description="Replay a Mooncake JSONL trace or a generated workload on the emulator's controller with "
-                    "emulation.data = false, and report per turn (or per time window) read/write bandwidth, DRAM "
-                    "hit rate, refused writes and modelled block-read latency.",
+        description="Replay a trace (Mooncake JSONL, or any format libCacheSim reads) or a generated workload on "
+                    "the emulator's controller with emulation.data = false, and report per turn (or per time "
+                    "window) read/write bandwidth, DRAM hit rate, refused writes and modelled block-read latency. "
+                    "Two policies are chosen separately: --policy is how requests use the device (what they "
+                    "read, write and prefetch); --device-policy is the DRAM policy inside the device (default: the "
+                    "one --policy implies). --sequential replays requests one at a time, in file order, with "
+                    "write-back drained before each access, so the DRAM's misses equal a cache simulator's (e.g. "
+                    "libCacheSim's) on the same page sequence.",
+        epilog="example: chm replay TRACE.jsonl --sequential --device-policy lru,fifo --tokens-per-block 512 "
+               "--block-bytes 2MiB --set dram.size_bytes=8589934592 --set policy.prefetch_window_bytes=2097152   "
+               "(a device of 4096 2 MiB pages, one page per Mooncake hash id)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("trace", metavar="TRACE_OR_GENERATOR",
-                   help=f"a Mooncake JSONL file, or a generator: {', '.join(GENERATORS)}")
+                   help=f"a trace file (format: --trace-format), or a generator: {', '.join(GENERATORS)}")
     p.add_argument("--profile", default="paper", help="device profile (small, paper, cmmh) or TOML path")
-    p.add_argument("--policy", default="hymcache", choices=list(VARIANTS), help="how requests use the device")
-    p.add_argument("--compare", metavar="P1,P2", type=_policy_list, help="run several policies on the same workload into one table/plot")
+    p.add_argument("--policy", default="hymcache", choices=list(VARIANTS),
+                   help="how requests use the device: lru = demand reads and writes; hymcache = prefetched reads "
+                        "and admitted writes; hymcache-noprefetch = demand reads and admitted writes. Each implies "
+                        "a device policy (" + ", ".join(f"{v}: {d}" for v, (d, _) in VARIANTS.items()) + ")")
+    p.add_argument("--compare", metavar="P1,P2", type=_policy_list,
+                   help="run several --policy values on the same workload into one table/plot")
+    p.add_argument("--device-policy", metavar="NAME[,NAME...]", type=_device_policy_list,
+                   help="the device's DRAM policy (config policy.name; any the emulator registers), instead of the "
+                        "one --policy implies; several: one run each, in one table")
+    p.add_argument("--sequential", action="store_true",
+                   help="one request at a time in file order (no overlap in virtual time), one block in flight, "
+                        "write-back drained before the next access: the DRAM's misses equal a cache simulator's")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="profile override, e.g. --set dram.size_bytes=1073741824 (repeatable)")
+    g = p.add_argument_group("trace format")
+    g.add_argument("--trace-format", default=MOONCAKE, metavar="FORMAT", type=_trace_format,
+                   help=f"{MOONCAKE}: Mooncake JSONL (timestamp in ms, hash_ids); or any format libCacheSim reads, "
+                        f"read by libCacheSim's own reader: {', '.join(TRACE_FORMATS)}. Each request of those is "
+                        f"one object access at its clock time (seconds): a read of the object's blocks "
+                        f"(ceil(obj_size / block)), a write at the first touch")
+    g.add_argument("--trace-params", metavar="KEY=VALUE,...", type=_trace_params,
+                   help="libCacheSim formats: libCacheSim's trace parameters, as its cachesim -t takes them, e.g. "
+                        "'time-col=1,obj-id-col=2,obj-size-col=3,delimiter=,,has-header=true' (csv) or "
+                        "'format=<IQI,obj-id-col=2' (binary)")
+    g.add_argument("--ignore-obj-size", action="store_true",
+                   help="libCacheSim formats: every object is one block, whatever its obj_size")
     g = p.add_argument_group("KV blocks")
     g.add_argument("--model", default="llama-3.1-8b", type=str.lower, choices=list(MODELS),
                    help="KV block size from the model table")
     g.add_argument("--tokens-per-block", type=int_at_least(1), default=128, help="tokens per KV block")
-    g.add_argument("--block-bytes", help="explicit KV block size (e.g. 64MiB); overrides --model")
+    g.add_argument("--block-bytes", help="explicit KV block size (e.g. 64MiB); overrides --model. libCacheSim "
+                                          "formats: the block an object is cut into (default: one device page)")
     g.add_argument("--window-bytes", default=str(DEFAULT_WINDOW_BYTES),
                    help="hymcache: KV bytes a request keeps prefetched ahead (never fewer than 2 blocks)")
     g = p.add_argument_group("workload")
@@ -59,6 +95,34 @@ def register(sub) -> None:
     g.add_argument("--out", metavar="DIR", help="write replay.json and replay.png here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _device_policy_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no device policy")
+    for name in names:  # the config's own check of policy.name: one list of registered policies
+        try:
+            FIELDS_BY_KEY["policy.name"].check(name, "--device-policy")
+        except ConfigError as exc:  # argparse names the option already
+            raise argparse.ArgumentTypeError(exc.message.removeprefix("--device-policy: ")) from None
+    return names
+
+
+def _trace_format(text: str) -> str:
+    if text.lower() == MOONCAKE:
+        return MOONCAKE
+    try:
+        return trace_format(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _trace_params(text: str) -> dict:
+    try:
+        return parse_trace_params(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _policy_list(text: str) -> list[str]:
@@ -97,6 +161,18 @@ def build_workload(args):
         get_model(args.model).block_bytes(args.tokens_per_block)
     if args.trace not in GENERATORS and not Path(args.trace).is_file():
         raise UsageError(f"TRACE_OR_GENERATOR = {args.trace!r} is neither a file nor one of {', '.join(GENERATORS)}")
+    libcachesim_format = args.trace_format != MOONCAKE
+    if args.trace in GENERATORS and libcachesim_format:
+        raise UsageError(f"--trace-format {args.trace_format} is for a trace file, not the {args.trace} generator")
+    if not libcachesim_format:
+        for given, option in ((args.trace_params, "--trace-params"), (args.ignore_obj_size, "--ignore-obj-size")):
+            if given:
+                raise UsageError(f"{option} is for the libCacheSim formats; --trace-format is {args.trace_format}")
+    if libcachesim_format:
+        if not args.block_bytes:  # an object is cut into device pages
+            block = load_profile(args.profile).device.page_size_bytes
+        return LibCacheSimTrace(args.trace, args.trace_format, block, args.trace_params or {}, args.ignore_obj_size,
+                                args.limit, args.time_scale)  # reads the file
     try:  # the workloads check their parameters, which come from the command line
         if args.trace == "microbench":
             return HymcacheMicrobench(block, args.concurrency or 64, args.blocks_per_turn, args.turns)
@@ -117,12 +193,19 @@ def build_workload(args):
 def run(args) -> int:
     variants = args.compare or [args.policy]
     overrides = _overrides(args.set)
+    if args.device_policy and "policy.name" in overrides:
+        raise UsageError("--device-policy and --set policy.name both choose the device policy: give one")
     window_bytes = _size(args.window_bytes, "--window-bytes")
     workload = build_workload(args)
-    replays = [Replay(replay_config(args.profile, v, overrides), v, workload, window_bytes=window_bytes,
-                      bucket_ns=args.window_s * 1e9, progress=not args.no_progress) for v in variants]
+    for warning in getattr(workload, "warnings", ()):
+        print(f"chm replay: libCacheSim: {warning}", file=sys.stderr)
+    replays = [Replay(replay_config(args.profile, v, overrides, device_policy), v, workload,
+                      window_bytes=window_bytes, bucket_ns=args.window_s * 1e9, progress=not args.no_progress,
+                      sequential=args.sequential)
+               for v in variants for device_policy in (args.device_policy or [None])]
     results = [replay.run() for replay in replays]
-    print(f"{workload.name}: {workload.describe()}; block {workload.block_bytes / 2**20:g} MiB; profile {results[0]['profile']}")
+    print(f"{workload.name}: {workload.describe()}; block {workload.block_bytes / 2**20:g} MiB; "
+          f"profile {results[0]['profile']}" + ("; sequential" if args.sequential else ""))
     print(format_table(results))
     for r in results:
         print(format_summary(r))

@@ -19,6 +19,16 @@ How a request uses the device (its ``keys`` are the KV blocks of its context):
   each is waited for, read, released. New blocks are offered to the write
   buffer and skipped (counted, not stored) when refused;
 * ``hymcache-noprefetch``: hymcache's DRAM split and write path, demand reads.
+
+The variant names the request behaviour and a default device DRAM policy (``VARIANTS``); the device
+policy can be chosen separately (``replay_config(..., device_policy=)``, ``chm replay --device-policy``).
+
+Sequential replay (``sequential=True``): requests run one after another in workload order (a trace's
+file order), each starting when the previous one has finished (or at its own time, if later); one block
+is in flight at a time (the prefetch window is one block) and every write is flushed before the next
+access, so no frame is pinned when a victim is chosen. The DRAM then sees exactly the page sequence of the
+requests, and its misses (read misses plus write allocations) equal a cache simulator's on that sequence
+(tests/host_runtime/test_replay_oracle.py checks them against libCacheSim).
 """
 
 from __future__ import annotations
@@ -58,10 +68,15 @@ def window_blocks(window_bytes: int, block_bytes: int) -> int:
     return max(MIN_WINDOW_BLOCKS, window_bytes // block_bytes)
 
 
-def replay_config(profile: str, variant: str, overrides: Mapping[str, Any] | None = None) -> Config:
+def replay_config(profile: str, variant: str, overrides: Mapping[str, Any] | None = None,
+                  device_policy: str | None = None) -> Config:
+    """The profile with data off and the device DRAM policy set: ``device_policy`` if given, else the one
+    ``overrides`` name (``policy.name``), else the variant's default."""
     if variant not in VARIANTS:
         raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
     changes = {"emulation.data": False, "policy.name": VARIANTS[variant][0], **(overrides or {})}
+    if device_policy is not None:
+        changes["policy.name"] = device_policy
     return load_profile(profile).with_overrides(changes)
 
 
@@ -122,8 +137,10 @@ class Bucket:
     read_bytes: int = 0
     write_bytes: int = 0
     refused_writes: int = 0
-    hit_pages: int = 0
-    miss_pages: int = 0
+    hit_pages: int = 0  # read pages found in DRAM (or already being staged)
+    miss_pages: int = 0  # read pages staged from the SSDs
+    write_hit_pages: int = 0  # written pages that already had a frame
+    write_miss_pages: int = 0  # written pages that needed a new frame (a first touch: a cache miss)
     prefetch_busy: int = 0
     first_read: float = math.inf
     last_read: float = 0.0
@@ -148,35 +165,41 @@ class Bucket:
             "hit_rate": self.hit_pages / pages if pages else 0.0,
             "blocks_read": self.reads, "blocks_written": self.writes, "refused_writes": self.refused_writes,
             "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
-            "hit_pages": self.hit_pages, "miss_pages": self.miss_pages, "prefetch_busy": self.prefetch_busy,
+            "hit_pages": self.hit_pages, "miss_pages": self.miss_pages,
+            "write_hit_pages": self.write_hit_pages, "write_miss_pages": self.write_miss_pages,
+            "prefetch_busy": self.prefetch_busy,
             "read_p50_ms": pct(50), "read_p99_ms": pct(99),
             "span_s": (max(self.last_read, self.last_write) - self.start_ns) / 1e9 if self.start_ns < math.inf else 0.0,
         }
 
 
+def replay_label(variant: str, device_policy: str) -> str:
+    """How a run is named in tables and plots: the variant, plus the device policy when it is not the variant's own."""
+    return variant if device_policy == VARIANTS[variant][0] else f"{variant} on {device_policy}"
+
+
 class Replay:
-    """One policy variant over one workload on a fresh controller."""
+    """One request behaviour (variant) over one workload on a fresh controller running ``cfg.policy.name``."""
 
     def __init__(self, cfg: Config, variant: str, workload: Workload, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  bucket_ns: float = 600e9, progress: bool = True, record_ops: bool = False,
-                 tick_ns: float = DEFAULT_TICK_NS):
+                 tick_ns: float = DEFAULT_TICK_NS, sequential: bool = False):
         if variant not in VARIANTS:
             raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
         if cfg.emulation.data:
             raise ValueError("replay needs a profile with emulation.data = false (use replay_config)")
-        if cfg.policy.name != VARIANTS[variant][0]:
-            raise ValueError(f"policy = {variant!r} needs policy.name = {VARIANTS[variant][0]!r}, "
-                             f"the config has {cfg.policy.name!r}")
         if not bucket_ns > 0:
             raise ValueError(f"window = {bucket_ns / 1e9!r} s must be > 0")
         self.cfg, self.variant, self.workload = cfg, variant, workload
+        self.sequential = sequential
         self.prefetching = VARIANTS[variant][1]
         self.ctl = Controller(cfg, None)
         page = cfg.device.page_size_bytes
         self.block_bytes = workload.block_bytes
         slot_bytes = -(-self.block_bytes // page) * page
         self.index = HostIndex(cfg.capacity_bytes // slot_bytes, slot_bytes)
-        self.window_blocks = window_blocks(window_bytes, self.block_bytes)
+        # sequential: one block in flight, so a prefetch never pins a frame while another page is staged
+        self.window_blocks = 1 if sequential else window_blocks(window_bytes, self.block_bytes)
         self.window_bytes = window_bytes
         if self.prefetching and self.window_blocks * slot_bytes > cfg.policy.prefetch_window_bytes:
             raise ValueError(f"per-request window of {self.window_blocks} blocks of {slot_bytes} bytes exceeds the "
@@ -229,6 +252,9 @@ class Replay:
         if self.ops is not None:
             self.ops.append(("write", addr, self.block_bytes))
         b = self._bucket_at(now)
+        page = self.cfg.device.page_size_bytes
+        pages = range(addr // page, (addr + self.block_bytes - 1) // page + 1)
+        new_pages = sum(1 for p in pages if self.ctl.policy.write_lookup(p) is None)
         try:
             finish = self.ctl.write(addr, None, self.block_bytes, now)
         except WriteBufferFull:
@@ -237,10 +263,15 @@ class Replay:
             return now + self.refusal_ns
         b.writes += 1
         b.write_bytes += self.block_bytes
+        b.write_miss_pages += new_pages
+        b.write_hit_pages += len(pages) - new_pages
         b.first_write = min(b.first_write, now)
         b.last_write = max(b.last_write, finish)
-        if self.cfg.policy.name == "hymcache":
-            self.peak_write_buffer_pages = max(self.peak_write_buffer_pages, self.ctl.policy.admission.used_pages)
+        admission = getattr(self.ctl.policy, "admission", None)  # a policy with a write buffer
+        if admission is not None:
+            self.peak_write_buffer_pages = max(self.peak_write_buffer_pages, admission.used_pages)
+        if self.sequential:  # drain the write-back: nothing stays pinned by a flush for the next access
+            finish = self.ctl.flush(finish)
         return finish
 
     def _prefetch(self, addr: int, now: float) -> tuple[int, float] | None:
@@ -329,6 +360,24 @@ class Replay:
             now += self.tick_ns
             yield now
 
+    def _sequential(self, phase, now: float) -> float:
+        """The phase's requests one after another: streams in order, each stream's requests in turn."""
+        t0 = now
+        for stream in phase.streams:
+            now = max(now, t0 + stream.start_ns)
+            for k, req in enumerate(stream.requests):
+                if k and req.think_ns:
+                    now += req.think_ns
+                request = self._request(req.keys, now)
+                while True:
+                    try:
+                        next(request)
+                    except StopIteration as done:
+                        now = done.value
+                        break
+                self.pbar.update(len(req.keys))
+        return now
+
     # ---- the run ------------------------------------------------------------------------
     def _populate(self, keys, now: float) -> float:
         for key in keys:
@@ -355,6 +404,10 @@ class Replay:
             for phase in phases:
                 if not self.by_time:
                     self.bucket = self.buckets[phase.label] = Bucket(phase.label, start_ns=now)
+                if self.sequential:
+                    now = self._sequential(phase, now)
+                    self.ctl.tick(now)
+                    continue
                 self._phase_end = now
                 heap = [(now + s.start_ns, i, self._stream(s, now)) for i, s in enumerate(phase.streams)]
                 self._active = len(heap)
@@ -380,7 +433,7 @@ class Replay:
         total = Bucket("total", start_ns=t_start)
         for b in self.buckets.values():
             for name in ("reads", "writes", "read_bytes", "write_bytes", "refused_writes", "hit_pages", "miss_pages",
-                         "prefetch_busy"):
+                         "write_hit_pages", "write_miss_pages", "prefetch_busy"):
                 setattr(total, name, getattr(total, name) + getattr(b, name))
             total.first_read, total.last_read = min(total.first_read, b.first_read), max(total.last_read, b.last_read)
             total.first_write, total.last_write = min(total.first_write, b.first_write), max(total.last_write, b.last_write)
@@ -390,8 +443,14 @@ class Replay:
         block_ops = total.reads + total.writes + total.refused_writes
         page_ops = snap["page_hits"] + snap["page_misses"] + snap["merged_misses"] + snap["prefetch_staged_pages"] \
             + snap["prefetch_resident_pages"] + snap["write_bytes"] // page
+        device_policy = self.cfg.policy.name
+        read_pages, write_pages = total.hit_pages + total.miss_pages, total.write_hit_pages + total.write_miss_pages
+        misses = total.miss_pages + total.write_miss_pages
         return {
             "policy": self.variant,
+            "device_policy": device_policy,
+            "label": replay_label(self.variant, device_policy),
+            "sequential": self.sequential,
             "profile": self.cfg.source,
             "workload": {"name": self.workload.name, "block_bytes": self.block_bytes, **self.workload.describe()},
             "window_blocks": self.window_blocks if self.prefetching else None,
@@ -412,6 +471,10 @@ class Replay:
                                             "prefetch_resident_pages", "evictions", "dirty_evictions", "flushed_pages",
                                             "slowed_reads", "refused_writes", "ssd_read_bytes", "ssd_write_bytes")},
             "host_index_evictions": self.index.evictions,
+            # the DRAM as a cache: page accesses (reads and accepted writes) and those that found no frame
+            "cache": {"accesses": read_pages + write_pages, "misses": misses, "read_misses": total.miss_pages,
+                      "write_misses": total.write_miss_pages,
+                      "miss_ratio": misses / (read_pages + write_pages) if read_pages + write_pages else 0.0},
             "speed": {"wall_s": wall_s, "cpu_s": cpu_s, "block_accesses": block_ops, "page_accesses": page_ops,
                       "block_accesses_per_s": block_ops / wall_s if wall_s else 0.0,
                       "page_accesses_per_s": page_ops / wall_s if wall_s else 0.0,
@@ -429,6 +492,6 @@ class Replay:
 
 
 def run_replay(workload: Workload, profile: str, variant: str, overrides: Mapping[str, Any] | None = None,
-               **kwargs) -> dict:
+               device_policy: str | None = None, **kwargs) -> dict:
     """Convenience: config + fresh controller + run."""
-    return Replay(replay_config(profile, variant, overrides), variant, workload, **kwargs).run()
+    return Replay(replay_config(profile, variant, overrides, device_policy), variant, workload, **kwargs).run()

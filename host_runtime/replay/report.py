@@ -17,6 +17,11 @@ COLUMNS = (  # header, key, format
 )
 
 
+def run_label(result: dict) -> str:
+    """The run's name in tables and plots (results saved before labels existed: their policy)."""
+    return result.get("label", result["policy"])
+
+
 def bucket_title(result: dict) -> str:
     return "window start (s)" if result["bucket_by"] == "time" else "turn"
 
@@ -26,13 +31,13 @@ def format_table(results: list[dict]) -> str:
     first = results[0]
     head = [bucket_title(first), "policy"] + [c[0] for c in COLUMNS]
     lines = []
-    labels = list(dict.fromkeys(row["bucket"] for r in results for row in r["rows"]))
-    for label in labels + ["total"]:
+    buckets = list(dict.fromkeys(row["bucket"] for r in results for row in r["rows"]))
+    for bucket in buckets + ["total"]:
         for r in results:
-            row = r["total"] if label == "total" else next((x for x in r["rows"] if x["bucket"] == label), None)
+            row = r["total"] if bucket == "total" else next((x for x in r["rows"] if x["bucket"] == bucket), None)
             if row is None:
                 continue
-            lines.append([label, r["policy"]] + [fmt.format(row[key]) for _, key, fmt in COLUMNS])
+            lines.append([bucket, run_label(r)] + [fmt.format(row[key]) for _, key, fmt in COLUMNS])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
@@ -41,13 +46,18 @@ def format_table(results: list[dict]) -> str:
 
 def format_summary(result: dict) -> str:
     s, d = result["speed"], result["dram"]
-    parts = [f"{result['policy']}: {s['block_accesses']} block accesses in {s['wall_s']:.1f} s wall "
+    parts = [f"{run_label(result)}: {s['block_accesses']} block accesses in {s['wall_s']:.1f} s wall "
              f"({s['block_accesses_per_s']:.0f} blocks/s, {s['page_accesses_per_s']:.0f} pages/s), "
              f"{result['virtual_s']:.1f} s virtual, peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"]
     if result["window_blocks"]:
         parts.append(f"  prefetch window {result['window_blocks']} blocks/request; peak staged "
                      f"{d['peak_staged_bytes'] / 2**30:.2f} GiB (bound {d['window_bound_bytes'] / 2**30:.2f} GiB); "
                      f"peak write buffer {d['peak_write_buffer_bytes'] / 2**30:.2f} of {d['write_buffer_bytes'] / 2**30:.2f} GiB")
+    c = result.get("cache")
+    if c is not None:
+        parts.append(f"  DRAM ({result['device_policy']}): {c['accesses']} page accesses, {c['misses']} misses "
+                     f"({c['read_misses']} read + {c['write_misses']} write allocations), "
+                     f"miss ratio {c['miss_ratio']:.4f}")
     return "\n".join(parts)
 
 
@@ -68,8 +78,8 @@ def plot(results: list[dict], path: Path, title: str = "") -> None:
     for r in results:
         rows = [row for row in r["rows"] if row["blocks_read"]]  # a write-only turn has no read bandwidth
         xs = [x[row["bucket"]] for row in rows]
-        ax_bw.plot(xs, [row["read_gbps"] for row in rows], marker="o", label=f"{r['policy']} read")
-        ax_hit.plot(xs, [100 * row["hit_rate"] for row in rows], marker="o", label=r["policy"])
+        ax_bw.plot(xs, [row["read_gbps"] for row in rows], marker="o", label=f"{run_label(r)} read")
+        ax_hit.plot(xs, [100 * row["hit_rate"] for row in rows], marker="o", label=run_label(r))
     ax_bw.axhline(results[0]["link_gbps"], color="grey", linestyle="--", linewidth=1, label="host link")
     ax_bw.set_ylabel("read bandwidth (GB/s)")
     ax_bw.set_ylim(bottom=0)

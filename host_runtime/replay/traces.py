@@ -134,12 +134,21 @@ def check_mooncake_tokens_per_block(tokens_per_block: int) -> None:
                          f"of {MOONCAKE_TOKENS_PER_HASH} tokens")
 
 
+def _is_plain_int(value) -> bool:
+    """An integer, not a bool (JSON ``true`` is a Python ``True``, which ``isinstance(x, int)`` accepts)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _mooncake_record(rec: dict) -> tuple[float, list[int]]:
     ts, ids = rec["timestamp"], rec["hash_ids"]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"timestamp = {ts!r} must be a number >= 0")
-    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
+        raise ValueError(f"timestamp = {ts!r} must be a finite number >= 0")
+    if not isinstance(ids, list):
         raise ValueError(f"hash_ids = {ids!r} must be a list of integers >= 0")
+    for i, h in enumerate(ids):
+        if not _is_plain_int(h) or h < 0:  # no coercion: 1.7, true and "3" are errors, not 1, 1 and 3
+            raise ValueError(f"hash_ids = {ids!r} must be a list of integers >= 0: element {i} is "
+                             f"{h!r} ({type(h).__name__})")
     return float(ts), ids
 
 

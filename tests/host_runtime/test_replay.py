@@ -101,7 +101,16 @@ def test_mooncake_reader_rejects_a_trace_without_requests(tmp_path, text):
     ('{"timestamp": 1, "hash_ids": "123"}', "hash_ids = '123'"),         # not a list
     ('{"timestamp": 1, "hash_ids": [1, -2]}', "hash_ids = [1, -2]"),     # negative id
     ('{"timestamp": 1, "hash_ids": [1.5]}', "hash_ids = [1.5]"),         # not an integer
+    # no coercion: [1.7, true, "3"] must not become [1, 1, 3]
+    ('{"timestamp": 1, "hash_ids": [1.7, true, "3"]}', "element 0 is 1.7 (float)"),
+    ('{"timestamp": 1, "hash_ids": [2, true]}', "element 1 is True (bool)"),  # a bool is not an integer
+    ('{"timestamp": 1, "hash_ids": [2, 3, "3"]}', "element 2 is '3' (str)"),
+    ('{"timestamp": 1, "hash_ids": [2.0]}', "element 0 is 2.0 (float)"),
     ('{"timestamp": -1, "hash_ids": [1]}', "timestamp = -1"),
+    ('{"timestamp": NaN, "hash_ids": [1]}', "timestamp = nan must be a finite number"),
+    ('{"timestamp": Infinity, "hash_ids": [1]}', "timestamp = inf must be a finite number"),
+    ('{"timestamp": 1e400, "hash_ids": [1]}', "timestamp = inf must be a finite number"),  # overflows to inf
+    ('{"timestamp": true, "hash_ids": [1]}', "timestamp = True"),
     ('{"timestamp": "soon", "hash_ids": [1]}', "timestamp = 'soon'"),
     ('{"time": 1, "hash_ids": [1]}', "KeyError: 'timestamp'"),           # wrong field name
     ('[1, 2]', "TypeError"),
@@ -170,7 +179,7 @@ def test_golden_trace_counts(variant):
 
 def test_lru_equals_ordered_dict_reference_on_golden_trace():
     rp, result = replay(golden_trace(), "lru", overrides=GOLDEN_OVERRIDES, record_ops=True)
-    hits, misses, _ = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+    hits, misses, _, _ = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
     assert (result["total"]["hit_pages"], result["total"]["miss_pages"]) == (hits, misses)
     assert misses > 0 and hits > 0 and result["device"]["evictions"] > 0
 
@@ -181,9 +190,55 @@ def test_lru_equals_ordered_dict_reference_on_mooncake_trace():
     trace = MooncakeTrace(mooncake_conversation_trace(), block_bytes=256 * KiB, tokens_per_block=512, limit=400)
     rp, result = replay(trace, "lru", overrides={"dram.size_bytes": 64 * MiB, "policy.prefetch_window_bytes": 8 * MiB},
                         record_ops=True)
-    hits, misses, _ = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+    hits, misses, _, _ = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
     assert (result["total"]["hit_pages"], result["total"]["miss_pages"]) == (hits, misses)
     assert hits > 1000 and result["device"]["evictions"] > 0 and result["device"]["merged_misses"] > 0
+
+
+# ---- device policy and sequential replay --------------------------------------------------------
+def test_device_policy_is_chosen_apart_from_the_request_behaviour():
+    assert replay_config("small", "hymcache").policy.name == "hymcache"  # the variant's own
+    assert replay_config("small", "hymcache", device_policy="lru").policy.name == "lru"
+    assert replay_config("small", "lru", {"policy.name": "hymcache"}).policy.name == "hymcache"
+    _, result = replay(golden_trace(), "lru", overrides={**GOLDEN_OVERRIDES, "policy.name": "hymcache"})
+    assert (result["policy"], result["device_policy"], result["label"]) == ("lru", "hymcache", "lru on hymcache")
+    assert result["total"]["refused_writes"] > 0  # hymcache's write buffer refuses, whatever the requests do
+
+
+def test_sequential_replay_runs_requests_in_file_order_one_at_a_time():
+    """Compressed 100x in time, the golden trace's requests overlap; sequential, they run in file order,
+    one block at a time, with write-back drained: the LRU reference then holds for reads and writes."""
+    trace = golden_trace()
+    rp, result = replay(trace, "lru", overrides=GOLDEN_OVERRIDES, record_ops=True, sequential=True)
+    keys = [key for _, ids in trace.records for key in trace.keys_of(ids)]
+    assert rp.index.evictions == 0  # so the index still knows every block's address
+    addr_of = {key: slot * rp.index.slot_bytes for key, slot in rp.index.slot_of.items()}
+    assert [addr for _, addr, _ in rp.ops] == [addr_of[key] for key in keys]  # every block, in file order
+    hits, misses, pages, write_misses = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+    cache = result["cache"]
+    assert (result["total"]["hit_pages"], result["total"]["miss_pages"]) == (hits, misses)
+    assert (cache["accesses"], cache["write_misses"], cache["misses"]) == (pages, write_misses, misses + write_misses)
+    assert result["device"]["merged_misses"] == 0 and not rp.ctl.dirty and not rp.ctl.flights
+    _, overlapped = replay(trace, "lru", overrides=GOLDEN_OVERRIDES)
+    assert overlapped["device"]["merged_misses"] > 0  # what sequential takes away
+
+
+def test_a_write_to_a_page_still_in_dram_is_a_write_hit():
+    """A device of 8 block slots (2 x 1 MiB of SSD) behind 16 blocks of DRAM: the host index reuses slots whose
+    pages are still cached, so those writes find their frame; the LRU reference counts the same."""
+    overrides = {**GOLDEN_OVERRIDES, "ssd.capacity_bytes": 1 * MiB}
+    rp, result = replay(golden_trace(), "lru", overrides=overrides, record_ops=True, sequential=True)
+    _, _, pages, write_misses = ordered_dict_lru(rp.ops, rp.cfg.device.page_size_bytes, rp.cfg.dram_frames)
+    total = result["total"]
+    assert rp.index.evictions > 0 and total["write_hit_pages"] > 0
+    assert total["write_miss_pages"] == write_misses
+    assert result["cache"]["accesses"] == pages
+
+
+def test_sequential_hymcache_prefetches_one_block_at_a_time():
+    rp, result = replay(golden_trace(), "hymcache", overrides=GOLDEN_OVERRIDES, window_bytes=512 * KiB, sequential=True)
+    assert result["window_blocks"] == 1 and result["device"]["merged_misses"] == 0
+    assert result["dram"]["peak_staged_bytes"] == golden_trace().block_bytes
 
 
 # ---- the paper's mechanisms at small scale --------------------------------------------------
@@ -312,6 +367,8 @@ def test_chm_replay_compare_writes_table_json_and_plot(tmp_path, capsys):
     (["microbench", "--block-bytes", "12MB"], "--block-bytes"),
     (["microbench", "--window-s", "0"], "--window-s"),
     (["microbench", "--turns", "0"], "--turns: 0 must be >= 1"),
+    (["microbench", "--device-policy", "nosuch"], "argument --device-policy: policy.name = 'nosuch' is not one of"),
+    (["microbench", "--device-policy", "lru", "--set", "policy.name=lru"], "--device-policy and --set policy.name"),
 ])
 def test_chm_replay_bad_arguments_name_the_parameter(argv, message, capsys):
     assert chm_main(["replay", *argv, "--no-progress"]) == 2

@@ -1,0 +1,227 @@
+"""Traces in every format libCacheSim reads (oracleGeneral, csv, txt, binary, vscsi, ...), read by
+libCacheSim's own reader through its Python binding (``libcachesim``), not by a reader of ours.
+
+Each request of such a trace is one object access at its ``clock_time`` (seconds, libCacheSim's unit;
+``time_scale`` converts). An object of ``obj_size`` bytes is ``ceil(obj_size / block_bytes)`` blocks (at
+least one; ``ignore_obj_size``: always one), so with ``block_bytes`` = the device page an access is a read of
+the object's pages, and its first touch a write (driver.py: what the device holds is read, the rest written).
+The request's operation (get, set, delete) is not used.
+
+libCacheSim's C reader aborts the whole process on a file it cannot read (a missing file, a txt line that is
+not an id, a binary trace without its format), so the reading runs in a child process (``_lcs_child.py``);
+its abort becomes a ValueError naming the file and libCacheSim's message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from .traces import Phase, Request, Stream
+
+# chm replay --trace-format NAME -> libcachesim.TraceType member; names as libCacheSim's cachesim spells them.
+TRACE_FORMATS: dict[str, str] = {
+    "csv": "CSV_TRACE",
+    "txt": "PLAIN_TXT_TRACE",
+    "binary": "BIN_TRACE",
+    "oracleGeneral": "ORACLE_GENERAL_TRACE",
+    "lcs": "LCS_TRACE",
+    "vscsi": "VSCSI_TRACE",
+    "twr": "TWR_TRACE",
+    "twrNS": "TWRNS_TRACE",
+    "oracleSimTwr": "ORACLE_SIM_TWR_TRACE",
+    "oracleSysTwr": "ORACLE_SYS_TWR_TRACE",
+    "oracleSimTwrNS": "ORACLE_SIM_TWRNS_TRACE",
+    "oracleSysTwrNS": "ORACLE_SYS_TWRNS_TRACE",
+    "valpinTrace": "VALPIN_TRACE",
+}
+
+_COLUMN, _FLAG, _CHAR, _TEXT, _COUNT = "column", "flag", "char", "text", "count"
+# libCacheSim's trace parameters (cachesim -t "KEY=VALUE, ..."), aliases included -> (ReaderInitParam attribute,
+# kind of value). A flag also sets its ``*_set`` companion, so libCacheSim does not guess it.
+TRACE_PARAMS: dict[str, tuple[str, str]] = {
+    "time-col": ("time_field", _COLUMN), "time-field": ("time_field", _COLUMN),
+    "obj-id-col": ("obj_id_field", _COLUMN), "obj-id-field": ("obj_id_field", _COLUMN),
+    "obj-size-col": ("obj_size_field", _COLUMN), "obj-size-field": ("obj_size_field", _COLUMN),
+    "size-col": ("obj_size_field", _COLUMN), "size-field": ("obj_size_field", _COLUMN),
+    "op-col": ("op_field", _COLUMN), "op-field": ("op_field", _COLUMN),
+    "ttl-col": ("ttl_field", _COLUMN), "ttl-field": ("ttl_field", _COLUMN),
+    "cnt-col": ("cnt_field", _COLUMN), "cnt-field": ("cnt_field", _COLUMN),
+    "tenant-col": ("tenant_field", _COLUMN), "tenant-field": ("tenant_field", _COLUMN),
+    "next-access-col": ("next_access_vtime_field", _COLUMN), "next-access-field": ("next_access_vtime_field", _COLUMN),
+    "obj-id-is-num": ("obj_id_is_num", _FLAG),
+    "has-header": ("has_header", _FLAG), "header": ("has_header", _FLAG),
+    "delimiter": ("delimiter", _CHAR),
+    "format": ("binary_fmt_str", _TEXT),
+    "block-size": ("block_size", _COUNT),
+}
+_TRUE, _FALSE = ("true", "1", "yes", "y"), ("false", "0", "no", "n")  # libCacheSim's is_true()
+OBJECT_BLOCK_BITS = 24  # key of block j of object o: o << OBJECT_BLOCK_BITS | j
+MAX_OBJECT_BLOCKS = 1 << OBJECT_BLOCK_BITS
+NS_PER_S = 1e9  # libCacheSim's clock_time is in seconds
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# libCacheSim's log entries: "[LEVEL] date file:line (tid=N): text", the text possibly over several lines
+_LEVELS = "ERROR|WARN|INFO|DEBUG|VERBOSE"
+_LOG_ENTRY = re.compile(rf"\[({_LEVELS})\][^\n]*?\(tid=\d+\):(.*?)(?=\[(?:{_LEVELS})\]|\Z)", re.S)
+_MAX_WARNINGS = 5
+
+
+def trace_format(name: str) -> str:
+    """The canonical spelling of a libCacheSim format name (matched without regard to case, as cachesim does)."""
+    for known in TRACE_FORMATS:
+        if known.lower() == name.lower():
+            return known
+    if name.lower() == "oraclegeneralbin":  # cachesim's other name for it
+        return "oracleGeneral"
+    raise ValueError(f"{name!r} is not one of mooncake, {', '.join(TRACE_FORMATS)}")
+
+
+def parse_trace_params(text: str) -> dict[str, Any]:
+    """``"time-col=1, obj-id-col=2, delimiter=,"`` -> ReaderInitParam attributes, parsed as libCacheSim's
+    cachesim parses its -t option (an empty delimiter value is a comma: ``delimiter=,,``)."""
+    out: dict[str, Any] = {}
+    rest = text.strip()
+    while rest:
+        item, sep, rest = rest.partition("=")
+        key = item.strip().lower().replace("_", "-")
+        if not sep or not key:
+            raise ValueError(f"{item.strip()!r} is not KEY=VALUE (e.g. 'time-col=1,obj-id-col=2')")
+        value, _, rest = rest.partition(",")
+        rest = rest.lstrip(" ,")
+        if key not in TRACE_PARAMS:
+            raise ValueError(f"{key!r} is not one of libCacheSim's trace parameters: "
+                             f"{', '.join(TRACE_PARAMS)}")
+        attr, kind = TRACE_PARAMS[key]
+        out[attr] = _param_value(key, kind, value if kind == _CHAR else value.strip())
+        if kind == _FLAG:
+            out[attr + "_set"] = True
+    return out
+
+
+def _param_value(key: str, kind: str, value: str) -> Any:
+    if kind in (_COLUMN, _COUNT):
+        try:
+            number = int(value, 0)
+        except ValueError:
+            number = None
+        if number is None or number < 1:
+            what = "a column number (counted from 1)" if kind == _COLUMN else "an integer"
+            raise ValueError(f"{key} = {value!r} must be {what} >= 1")
+        return number
+    if kind == _FLAG:
+        if value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        raise ValueError(f"{key} = {value!r} must be one of {', '.join(_TRUE + _FALSE)}")
+    if kind == _CHAR:
+        if value.strip() in ("", "\\", "\\,"):  # "delimiter=,," as cachesim reads it
+            return ","
+        if value == "\\t":
+            return "\t"
+        if len(value) != 1:
+            raise ValueError(f"delimiter = {value!r} must be one character (\\t for a tab)")
+        return value
+    if not value:
+        raise ValueError(f"{key} = '' must not be empty")
+    return value
+
+
+@dataclass
+class LibCacheSimTrace:
+    """A trace libCacheSim reads; every request is its own stream, started at its clock time (open loop)."""
+
+    path: str | Path
+    trace_format: str  # a key of TRACE_FORMATS
+    block_bytes: int
+    trace_params: Mapping[str, Any] = field(default_factory=dict)  # ReaderInitParam attributes (parse_trace_params)
+    ignore_obj_size: bool = False
+    limit: int | None = None
+    time_scale: float = 1.0
+    bucket_by: str = "time"
+    name: str = field(init=False)  # the format's name
+    warnings: list[str] = field(init=False, default_factory=list)  # libCacheSim's warnings while reading
+
+    def __post_init__(self):
+        if self.trace_format not in TRACE_FORMATS:
+            raise ValueError(f"trace_format = {self.trace_format!r} is not one of {', '.join(TRACE_FORMATS)}")
+        if self.block_bytes < 1:
+            raise ValueError(f"block_bytes = {self.block_bytes} must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit = {self.limit!r} must be >= 1")
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale = {self.time_scale!r} must be > 0")
+        self.name = self.trace_format
+        path = Path(self.path)
+        if not path.is_file():
+            raise ValueError(f"trace file {str(path)!r} does not exist")
+        if path.stat().st_size == 0:  # libCacheSim aborts on an empty file; say what is wrong instead
+            raise ValueError(f"{path}: no requests in the trace (the file is empty)")
+        self.times, self.obj_ids, self.sizes = self._read(path)
+        if not self.times:
+            raise ValueError(f"{path}: no requests in the trace (libCacheSim's {self.trace_format} reader found none)")
+        for i, (t, size) in enumerate(zip(self.times, self.sizes)):
+            if t < 0:
+                raise ValueError(f"{path}: request {i + 1}: clock_time = {t} must be >= 0")
+            if size < 0:
+                raise ValueError(f"{path}: request {i + 1}: obj_size = {size} must be >= 0")
+            if self._blocks(size) > MAX_OBJECT_BLOCKS:
+                raise ValueError(f"{path}: request {i + 1}: obj_size = {size} is {self._blocks(size)} blocks of "
+                                 f"{self.block_bytes} bytes, more than {MAX_OBJECT_BLOCKS}")
+
+    def _read(self, path: Path) -> tuple[array, array, array]:
+        spec = {"path": str(path), "trace_type": TRACE_FORMATS[self.trace_format], "params": dict(self.trace_params),
+                "ignore_obj_size": self.ignore_obj_size, "limit": self.limit}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                          os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run([sys.executable, "-m", "host_runtime.replay._lcs_child", json.dumps(spec)],
+                              capture_output=True, env=env)
+        stderr = _ANSI.sub("", proc.stderr.decode(errors="replace"))
+        logs = [(level, " ".join(text.split())) for level, text in _LOG_ENTRY.findall(stderr)]
+        errors = [text for level, text in logs if level == "ERROR"]
+        warnings = list(dict.fromkeys(text for level, text in logs if level == "WARN"))
+        if len(warnings) > _MAX_WARNINGS:
+            warnings[_MAX_WARNINGS:] = [f"... and {len(warnings) - _MAX_WARNINGS} more"]
+        self.warnings = warnings
+        if proc.returncode != 0:
+            if not errors:  # not libCacheSim's own error: the child's last words (a Python exception, a signal)
+                tail = [line for line in stderr.splitlines() if line.strip()]
+                errors = [tail[-1].strip() if tail else f"exit status {proc.returncode}"]
+            raise ValueError(f"{path}: libCacheSim's {self.trace_format} reader failed: {'; '.join(errors)}")
+        out = proc.stdout
+        (n,) = struct.unpack_from("<Q", out)
+        columns, offset = [], 8
+        for typecode in ("q", "Q", "q"):
+            column = array(typecode)
+            column.frombytes(out[offset: offset + n * column.itemsize])
+            offset += n * column.itemsize
+            columns.append(column)
+        return tuple(columns)
+
+    def _blocks(self, size: int) -> int:
+        return max(1, -(-size // self.block_bytes))
+
+    def keys_of(self, obj_id: int, size: int) -> list[int]:
+        """The object's blocks, each a key of its own."""
+        base = obj_id << OBJECT_BLOCK_BITS
+        return [base | j for j in range(self._blocks(size))]
+
+    def phases(self) -> Iterator[Phase]:
+        ns = NS_PER_S * self.time_scale
+        yield Phase("trace", [Stream(t * ns, [Request(self.keys_of(o, s))])
+                              for t, o, s in zip(self.times, self.obj_ids, self.sizes)])
+
+    def populate_keys(self):
+        return ()
+
+    def describe(self) -> dict:
+        return {"trace": str(self.path), "format": self.trace_format, "requests": len(self.times),
+                "objects": len(set(self.obj_ids)),
+                "block_references": sum(self._blocks(s) for s in self.sizes),
+                "ignore_obj_size": self.ignore_obj_size, "time_scale": self.time_scale}
