@@ -13,6 +13,7 @@ from emulator.policies import policy_class
 from emulator.policies.libcachesim import trial_problem
 
 from .conftest import KiB, TINY
+from .test_policy_eviction import run_table
 
 lcs = pytest.importorskip("libcachesim")
 
@@ -21,18 +22,6 @@ ROOMY = {**TINY, "dram.size_bytes": 32 * 4 * KiB}  # 32 frames
 
 def table(algorithm: str, frames: int) -> FrameTable:
     return FrameTable(frames, eviction=policy_class(f"libcachesim:{algorithm}").eviction)
-
-
-def device_hits(t: FrameTable, seq: list[int]) -> list[bool]:
-    hits = []
-    for page in seq:
-        frame = t.lookup(page)
-        hits.append(frame is not None)
-        if frame is not None:
-            t.touch(frame)
-        else:
-            t.insert(page)
-    return hits
 
 
 # Algorithms whose get() is find + evict-while-full + insert, and that drop pages only when told to evict:
@@ -49,7 +38,7 @@ def test_the_device_hits_as_libcachesim_get_does(algorithm):
     cache = getattr(lcs, algorithm)(cache_size=frames, hashpower=12)
     want = [cache.get(lcs.Request(obj_id=p, obj_size=1)) for p in seq]
     t = table(algorithm, frames)
-    got = device_hits(t, seq)
+    got = run_table(t, seq)[0]
     assert sum(got) == sum(want) and got == want
     assert t.counters() == {"pinned_reinserts": 0, "forced_victims": 0, "bypassed_pages": 0,
                             "victim_scans": t.counters()["victim_scans"]}

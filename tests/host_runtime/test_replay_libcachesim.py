@@ -18,6 +18,8 @@ from emulator.config import load_profile
 from host_runtime.replay import LibCacheSimTrace, Replay, parse_trace_params, replay_config
 from host_runtime.replay.lcs_trace import TRACE_FORMATS
 
+from .test_replay_oracle import libcachesim_misses
+
 PROFILE = "small"
 PAGE = load_profile(PROFILE).device.page_size_bytes  # 64 KiB
 DRAM_PAGES = 64
@@ -43,16 +45,6 @@ def write_oracle_general(path: Path, requests) -> Path:
         for t, obj, size in requests:
             f.write(ORACLE_GENERAL.pack(t, obj, size, -1))
     return path
-
-
-def libcachesim_misses(cache, obj_ids) -> int:
-    req = lcs.Request()
-    req.obj_size = 1
-    misses = 0
-    for obj_id in obj_ids:
-        req.obj_id = obj_id
-        misses += not cache.get(req)
-    return misses
 
 
 def libcachesim_file_misses(path: Path, fmt: str, params: dict, pages: int) -> tuple[int, int]:

@@ -189,6 +189,13 @@ def run_turns(model, tok, master, manager, prompts_text, *, config=None, wrap_ma
     return out, sched, worker
 
 
+def engines(model, master, manager):
+    """The connector's two roles, an engine with it and the reference engine (connector off)."""
+    sched, worker = connector_pair({"staging_buffer_size": 0.05}, master=master, manager_for_node=lambda n: manager)
+    engine = PagedEngine(model, chunk_size=BS, num_blocks=64, connector=(sched, worker))
+    return sched, worker, engine, PagedEngine(model, chunk_size=BS, num_blocks=64)
+
+
 def test_full_write_buffer_skips_stores_without_delay_and_offers_them_again(smol, in_process_set):
     model, tok = smol
     master, manager, _ = in_process_set(*TINY_WRITE_BUFFER)
@@ -214,9 +221,7 @@ def test_corrupted_block_is_a_load_error_recomputed_and_stored_again(smol, in_pr
     prompt = tok.encode(tok.chat_prompt("List the planets of the solar system in order from the sun, and give one "
                                         "short fact about each of them."))
 
-    sched, worker = connector_pair({"staging_buffer_size": 0.05}, master=master, manager_for_node=lambda n: manager)
-    engine = PagedEngine(model, chunk_size=BS, num_blocks=64, connector=(sched, worker))
-    reference = PagedEngine(model, chunk_size=BS, num_blocks=64)
+    sched, worker, engine, reference = engines(model, master, manager)
     engine.generate("first", prompt, 2, tok.eos_id)
     keys = block_keys(prompt, BS, sched.fingerprint)
     assert len(keys) >= 3
@@ -247,9 +252,7 @@ def test_a_block_read_layer_by_layer_is_identical_and_a_bad_last_layer_is_still_
     master, manager, device = in_process_set()
     prompt = tok.encode(tok.chat_prompt("Name four rivers of Europe and the seas they flow into, with one sentence "
                                         "about the cities on the banks of each."))
-    sched, worker = connector_pair({"staging_buffer_size": 0.05}, master=master, manager_for_node=lambda n: manager)
-    engine = PagedEngine(model, chunk_size=BS, num_blocks=64, connector=(sched, worker))
-    reference = PagedEngine(model, chunk_size=BS, num_blocks=64)
+    sched, worker, engine, reference = engines(model, master, manager)
     engine.generate("first", prompt, 2, tok.eos_id)
     assert len(worker._pieces) == len(worker.kv_caches) > 1
     again = engine.generate("again", prompt, 2, tok.eos_id)
