@@ -24,6 +24,9 @@ SUN_PATH_MAX = 107  # sockaddr_un.sun_path less its NUL
 
 _mod = load_or_build(wire_build.MODULE, wire_build.build, Path(wire_build.__file__).with_suffix(".lock"))
 ffi, lib = _mod.ffi, _mod.lib
+# The device's statistics (chm_stats.h): counters the controller keeps, gauges of its state now.
+STATS_COUNTERS = wire_build.stats_fields("COUNTERS")
+STATS_GAUGES = wire_build.stats_fields("GAUGES")
 
 
 class NodeError(OSError):

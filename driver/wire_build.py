@@ -7,6 +7,7 @@ module is built. Built by ``make`` (``python -m driver.wire_build``) and,
 failing that, on first import of :mod:`driver.wire`.
 """
 
+import re
 from pathlib import Path
 
 import cffi
@@ -16,11 +17,28 @@ INCLUDE = HERE / "include"
 MODULE = "driver._wire"
 
 
+STATS_HEADER = INCLUDE / "chm_stats.h"
+
+
+def stats_fields(kind: str) -> tuple[str, ...]:
+    """The field names of ``CHM_STATS_<kind>`` (COUNTERS or GAUGES) in chm_stats.h, in order."""
+    text = STATS_HEADER.read_text()
+    start = text.index(f"#define CHM_STATS_{kind}(X)")
+    body = text[start: text.index("\n\n", start)]
+    return tuple(re.findall(r"X\((\w+)\)", body))
+
+
+def expand_stats_fields(text: str) -> str:
+    """cffi's cdef parser takes no function-like macros: spell out ``CHM_STATS_FIELDS(CHM_STATS_U64)``."""
+    fields = stats_fields("COUNTERS") + stats_fields("GAUGES")
+    return text.replace("CHM_STATS_FIELDS(CHM_STATS_U64)", " ".join(f"uint64_t {name};" for name in fields))
+
+
 def cdef_of(header: Path) -> str:
     """The cffi-parsable part of a header: the text between its cdef markers."""
     text = header.read_text()
     begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
-    return text[text.index(begin) + len(begin): text.index(end)]
+    return expand_stats_fields(text[text.index(begin) + len(begin): text.index(end)])
 
 
 def make_ffi() -> cffi.FFI:

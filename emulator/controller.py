@@ -34,6 +34,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from driver.wire import STATS_COUNTERS
+
 from .config import Config
 from .errors import ChmError, WriteBufferFull
 from .policies import make_policy
@@ -131,13 +133,7 @@ class Controller:
         self.chunk_pages = max(1, min(MAX_CHUNK_PAGES, cfg.read_staging_frames - self.engine.window_pages))
         self.staged: dict[int, Staged] = {}
         self._next_handle = 1
-        self.stats = dict.fromkeys((
-            "reads", "writes", "prefetches", "releases", "flush_calls",
-            "read_bytes", "write_bytes", "hit_bytes", "prefetch_bytes", "ssd_read_bytes", "ssd_write_bytes",
-            "page_hits", "page_misses", "merged_misses", "prefetch_staged_pages", "prefetch_resident_pages",
-            "refused_writes", "refused_write_bytes", "rmw_reads", "evictions", "dirty_evictions",
-            "flush_batches", "flushed_pages", "media_errors", "flush_failures", "media_refused_writes",
-            "read_failures", "lost_pages"), 0)
+        self.stats = dict.fromkeys(STATS_COUNTERS, 0)  # the wire's counters (driver/include/chm_stats.h)
         self.media_error: ChmError | None = None  # set while flushes fail; new writes are refused
         self.media_error_since = 0.0  # wall time (time.time()) the episode began
         self._retry_delay_s = MEDIA_RETRY_FIRST_S

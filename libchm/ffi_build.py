@@ -10,6 +10,8 @@ from pathlib import Path
 
 import cffi
 
+from driver.wire_build import expand_stats_fields
+
 HERE = Path(__file__).resolve().parent
 MODULE = "libchm._chm"
 
@@ -19,7 +21,7 @@ def make_ffi() -> cffi.FFI:
     begin = text.index("*/", text.index("---- cdef begin ----")) + 2
     end = text.index("/* ---- cdef end ---- */")
     ffi = cffi.FFI()
-    ffi.cdef(text[begin:end])
+    ffi.cdef(expand_stats_fields(text[begin:end]))
     ffi.set_source(MODULE, '#include "chm.h"', include_dirs=[str(HERE / "include")],
                    library_dirs=[str(HERE / "build")], libraries=["chm"],
                    extra_link_args=["-Wl,-rpath,$ORIGIN/build"])

@@ -46,9 +46,11 @@
 
 #include <stdint.h>
 
+#include "chm_stats.h"
+
 /* ---- cdef begin ---- */
 #define CHM_WIRE_MAGIC 0x43484d31
-#define CHM_WIRE_VERSION 2
+#define CHM_WIRE_VERSION 3
 #define CHM_QP_MAGIC 0x43485150
 #define CHM_NAME_MAX 32
 #define CHM_PROFILE_MAX 192
@@ -147,30 +149,9 @@ struct chm_cqe {
     uint64_t clock_ns;              /* the client's virtual clock after it */
 };
 
-/* Counters for CHM_OP_STATS; names are the emulator's stats keys. */
+/* Counters and gauges for CHM_OP_STATS: the fields of chm_stats.h, in its order. */
 struct chm_wire_stats {
-    uint64_t reads;
-    uint64_t writes;
-    uint64_t prefetches;
-    uint64_t releases;
-    uint64_t flush_calls;
-    uint64_t read_bytes;
-    uint64_t write_bytes;
-    uint64_t hit_bytes;
-    uint64_t prefetch_bytes;
-    uint64_t ssd_read_bytes;
-    uint64_t ssd_write_bytes;
-    uint64_t page_hits;
-    uint64_t page_misses;
-    uint64_t merged_misses;
-    uint64_t refused_writes;
-    uint64_t evictions;
-    uint64_t flush_batches;
-    uint64_t flushed_pages;
-    uint64_t dirty_pages;
-    uint64_t prefetch_pages_held;
-    uint64_t clients;
-    uint64_t clock_ns;              /* this client's virtual clock */
+    CHM_STATS_FIELDS(CHM_STATS_U64)
 };
 
 /* Control path messages (fixed size, little-endian host order). */

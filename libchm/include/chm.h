@@ -38,6 +38,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "chm_stats.h"   /* the device's statistics fields, one list */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -67,14 +69,8 @@ struct chm_info {
                                      that recorded another epoch holds stale blocks */
 };
 
-struct chm_stats {
-    uint64_t reads, writes, prefetches, releases, flush_calls;
-    uint64_t read_bytes, write_bytes, hit_bytes, prefetch_bytes;
-    uint64_t ssd_read_bytes, ssd_write_bytes;
-    uint64_t page_hits, page_misses, merged_misses, refused_writes, evictions;
-    uint64_t flush_batches, flushed_pages, dirty_pages, prefetch_pages_held;
-    uint64_t clients;             /* queue pairs attached now */
-    uint64_t clock_ns;            /* this handle's virtual clock (modelled ns) */
+struct chm_stats {                /* the fields of chm_stats.h, each a uint64_t */
+    CHM_STATS_FIELDS(CHM_STATS_U64)
 };
 
 /* Options for chm_open_opts; set .size = sizeof(struct chm_open_opts) so the

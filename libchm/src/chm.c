@@ -558,13 +558,8 @@ int chm_get_stats(chm_dev *d, struct chm_stats *s)
     if (r < 0)
         return (int)r;
     const struct chm_wire_stats *w = d->stats;
-#define COPY(f) s->f = w->f
-    COPY(reads); COPY(writes); COPY(prefetches); COPY(releases); COPY(flush_calls);
-    COPY(read_bytes); COPY(write_bytes); COPY(hit_bytes); COPY(prefetch_bytes);
-    COPY(ssd_read_bytes); COPY(ssd_write_bytes);
-    COPY(page_hits); COPY(page_misses); COPY(merged_misses); COPY(refused_writes); COPY(evictions);
-    COPY(flush_batches); COPY(flushed_pages); COPY(dirty_pages); COPY(prefetch_pages_held);
-    COPY(clients); COPY(clock_ns);
+#define COPY(f) s->f = w->f;
+    CHM_STATS_FIELDS(COPY)
 #undef COPY
     return 0;
 }

@@ -1,0 +1,1 @@
+../../driver/include/chm_stats.h
