@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := liburing-dev fio iverilog pkg-config
 STAMP := $(VENV)/.installed
 
-.PHONY: all setup test demo bench clean help libchm install rtl-test repro
+.PHONY: all setup test demo bench clean help libchm native install rtl-test repro
 
 all: setup
 
@@ -37,7 +37,11 @@ $(STAMP): pyproject.toml .apt-stamp
 	$(PY) -m emulator.uring_build
 	@touch $@
 
-setup: $(STAMP) libchm
+setup: $(STAMP) native libchm
+
+# The native core (frame table, eviction, prefetch, admission): built for the current sources, if not yet.
+native: $(STAMP)
+	$(PY) -m emulator.native
 
 # libchm.so, the driver's wire module and the Python binding (issue 3).
 PREFIX ?= /usr/local
@@ -54,7 +58,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 # RTL benches in lockstep with the emulator's reference models (also part of `make test`).
-rtl-test: $(STAMP)
+rtl-test: $(STAMP) native
 	$(PY) -m pytest -q tests/rtl_model
 
 demo: setup
@@ -68,4 +72,4 @@ repro: setup
 	$(PY) -m bench.repro_hymcache $(REPRO)
 
 clean:
-	rm -rf $(VENV) .apt-stamp emulator/_uring* build *.egg-info driver/_wire* libchm/_chm* libchm/build
+	rm -rf $(VENV) .apt-stamp emulator/_uring* emulator/_chm_core_* build *.egg-info driver/_wire* libchm/_chm* libchm/build

@@ -58,7 +58,6 @@ from .wire import ffi, lib, node_path, socket_path
 STATS_FIELDS = [name for name, _ in ffi.typeof("struct chm_wire_stats").fields]
 ATTACH_REQ_SIZE = ffi.sizeof("struct chm_attach_req")
 MAX_BATCH = 32
-IDLE_TICK_S = 0.005   # wake this often while the write buffer holds data
 CONTROL_POLL_S = 0.002  # look at the control socket at least this often while busy
 ATTACH_TIMEOUT_S = 2.0  # a half-sent attach request is dropped after this
 PAGE = 4096
@@ -71,6 +70,15 @@ MAX_PIECE_ALONE = 8 << 20
 MAX_PENDING_ATTACHES = 64  # half-open connections held at once; more are closed at once
 LOG_INTERVAL_S = 10.0  # a repeating complaint (fd exhaustion, connection flood) is logged at most this often
 BULK_OPCODES = frozenset((lib.CHM_OP_READ, lib.CHM_OP_WRITE, lib.CHM_OP_PREFETCH))  # their work grows with len
+
+
+def idle_wall_wait_ns(event_ns: float, floor_ns: float, wall_virtual_ns: float, pacing: bool) -> float:
+    """Wall nanoseconds an idle device waits until its virtual time reaches ``event_ns``. Without pacing,
+    virtual time (``floor_ns``) advances by the idle wall time; with pacing it is ``max(floor, wall)``,
+    which stands still until the wall clock (``wall_virtual_ns``, on the same origin) passes the floor."""
+    if pacing:
+        return 0.0 if event_ns <= floor_ns else max(0.0, event_ns - wall_virtual_ns)
+    return max(0.0, event_ns - floor_ns)
 
 
 class Job:
@@ -342,6 +350,23 @@ class DeviceServer:
     def _now(self) -> float:
         return max(self.floor, self._wall_virtual()) if self.pacing else self.floor
 
+    def _idle_timeout_ms(self) -> float | None:
+        """How long an idle sleep may last: until a held completion is due (pacing), the controller's next
+        background event (a flush landing or falling due), or a media-error backoff ends; None: until a
+        client or the control socket wakes us. Half-open attaches are looked at every ATTACH_TIMEOUT_S."""
+        waits_ns = []
+        if self.held:
+            waits_ns.append(self.held[0][0] - self._wall_virtual())
+        event = self.ctl.next_event_ns(self._now())
+        if event is not None:
+            waits_ns.append(idle_wall_wait_ns(event, self.floor, self._wall_virtual(), self.pacing))
+        retry_s = self.ctl.retry_wait_s()
+        if retry_s is not None and self.ctl.dirty:
+            waits_ns.append(retry_s * 1e9)
+        if self.pending:
+            waits_ns.append(ATTACH_TIMEOUT_S * 1e9)
+        return max(0.0, min(waits_ns) / 1e6) if waits_ns else None
+
     # ---- the data path -------------------------------------------------------------
     def _run_ready(self) -> bool:
         """One turn for every queue pair: one piece of its large command, or its fetched commands until
@@ -569,20 +594,16 @@ class DeviceServer:
         if self._order and lib.chm_srv_pending(self._qp_array, len(self._order), 0) >= 0:
             lib.chm_srv_set_sleeping(node, 0)
             return
-        timeout_ms = None
-        if self.held:
-            timeout_ms = max(0.0, (self.held[0][0] - self._wall_virtual()) / 1e6)
-        elif self.ctl.dirty or self.ctl.flights:
-            timeout_ms = IDLE_TICK_S * 1000
-        if self.pending:
-            timeout_ms = min(timeout_ms if timeout_ms is not None else 1e9, ATTACH_TIMEOUT_S * 1000)
+        timeout_ms = self._idle_timeout_ms()
         t0 = time.monotonic_ns()
         events = self.poller.poll(timeout_ms)
         lib.chm_srv_set_sleeping(node, 0)
         if not self.pacing:
             self.floor += time.monotonic_ns() - t0  # idle wall time passes on the device too
-        try:
-            self.ctl.tick(self._now())  # media errors never raise here (the controller logs and retries them)
+        try:  # media errors never raise here (the controller logs and retries them)
+            now = self._now()
+            self.ctl.run_until(now)  # what fell due while we slept, each at its own virtual time
+            self.ctl.tick(now)  # the rest of the housekeeping (staging reads that failed, once unpinned)
         except Exception:  # a device bug in the background flusher must not end serve
             self.log(f"internal error in the background flusher:\n{traceback.format_exc()}")
         self._control(events)

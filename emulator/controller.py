@@ -128,6 +128,9 @@ class Controller:
         self.flights: list[tuple[float, int, Flight]] = []  # min-heap of (finish, issue order, flight)
         self._flight_order = 0
         self._flushing_pages = 0  # pages in self.flights
+        self._flight_room: tuple[tuple[int, int], float] = ((-1, -1), 0.0)  # _flight_room_at's cache
+        self.background_ns = 0.0  # virtual time up to which run_until has done the background work
+        self.events_run = 0  # background events run_until has run (flush landings, flush grants)
         self.engine = PrefetchEngine(-(-cfg.policy.prefetch_window_bytes // self.page), cfg.policy.prefetch_max_handles)
         # Pages a read pins at once: never more than the frames prefetches can leave unpinned.
         self.chunk_pages = max(1, min(MAX_CHUNK_PAGES, cfg.read_staging_frames - self.engine.window_pages))
@@ -265,15 +268,15 @@ class Controller:
             self.dirty = deque(e for e in self.dirty if e[0] != frame)
 
     # ---- flusher ---------------------------------------------------------------
+    # Background work is event-driven: it is due when a flush lands or when the policy's flush rule
+    # starts to grant (next_event_ns); run_until does each at its own virtual time, so idle spans cost
+    # nothing. Every command also ticks at its start.
     def tick(self, now: float, force: bool = False) -> None:
         """Background work at virtual time ``now``: retire finished flushes, start new ones."""
         self._complete_flights(now)
         if self.read_error:
             self._drop_failed_reads()
-        if self.media_error is not None and not force and time.monotonic() < self._retry_at:
-            return  # backing off after a media error
-        limit = self.policy.flush_pages_in_flight
-        if limit is not None and self._flushing_pages >= limit and not force:
+        if not force and self._flusher_held():
             return
         while self.dirty:
             n = self.policy.flush_grant(self.dirty, now, self.timing.reads_in_flight(now), force)
@@ -282,6 +285,75 @@ class Controller:
             self._start_flush([self.dirty.popleft() for _ in range(n)], now)
             if not force:
                 return
+
+    def _backing_off(self) -> bool:
+        """After a media error the background flusher waits (wall time) before it retries."""
+        return self.media_error is not None and time.monotonic() < self._retry_at
+
+    def _at_flight_limit(self) -> bool:
+        """The policy's bound on flushed pages in flight is reached: the next flush waits for one to land."""
+        limit = self.policy.flush_pages_in_flight
+        return limit is not None and self._flushing_pages >= limit
+
+    def _flight_room_at(self) -> float:
+        """When enough flushes have landed to bring the pages in flight under the policy's bound (cached:
+        asked before every command, it changes only when a flush starts or lands)."""
+        key = (self._flight_order, self._flushing_pages)  # a start bumps the order, a landing lowers the pages
+        if self._flight_room[0] != key:
+            must_land = self._flushing_pages - self.policy.flush_pages_in_flight + 1
+            landed, at = 0, 0.0
+            for at, _, flight in sorted(self.flights):
+                landed += len(flight.frames)
+                if landed >= must_land:
+                    break
+            self._flight_room = (key, at)
+        return self._flight_room[1]
+
+    def _flusher_held(self) -> bool:
+        """The background flusher may start no flush now."""
+        return self._backing_off() or self._at_flight_limit()
+
+    def retry_wait_s(self) -> float | None:
+        """Wall seconds until the flusher retries after a media error (the backoff is in wall time, so it is
+        no virtual-time event); None when not backing off."""
+        return max(0.0, self._retry_at - time.monotonic()) if self._backing_off() else None
+
+    def next_event_ns(self, now: float) -> float | None:
+        """The earliest virtual time >= ``now`` at which background work falls due if no command comes
+        meanwhile; None when nothing is pending. Events: the next time the policy grants a flush (for
+        hymcache possibly when the SSD reads in flight have landed); a flush landing, where that matters
+        before the next command: its real I/O (a media error) is to be collected, or enough have landed to
+        bring the pages in flight under the policy's bound while dirty pages wait. (Otherwise the next tick
+        retires it: nothing between looks.) A flusher backing off after a media error counts no flush grant
+        (see ``retry_wait_s``)."""
+        due = None
+        if self.data and self.flights:
+            due = self.flights[0][0]
+        elif self.dirty and self._at_flight_limit():
+            due = self._flight_room_at()
+        if self.dirty and not self._flusher_held():
+            timing = self.timing
+            grant = self.policy.next_flush_at(self.dirty, now, lambda n: timing.reads_idle_at(now, n))
+            if grant is not None and (due is None or grant < due):
+                due = grant
+        return None if due is None else max(now, due)
+
+    def run_until(self, until: float) -> int:
+        """Do the background work due up to virtual time ``until``, each event at its own time, from where
+        the background clock stands (it only moves forward); returns how many events ran.
+
+        The replay driver calls it before each command, ``chm serve`` after each idle sleep."""
+        t, ran = self.background_ns, 0
+        while (due := self.next_event_ns(t)) is not None and due <= until:
+            before = (self.stats["flush_batches"], len(self.flights))
+            self.tick(due)
+            if (self.stats["flush_batches"], len(self.flights)) == before:  # would loop forever at `due`
+                raise RuntimeError(f"policy {self.policy.name!r}: next_flush_at said a flush is due at {due!r} ns "
+                                   f"but flush_grant granted none (and no flush landed)")
+            t, ran = due, ran + 1
+        self.background_ns = max(t, until)
+        self.events_run += ran
+        return ran
 
     def _start_flush(self, entries: list[tuple[int, float]], now: float) -> None:
         """Write the dirty ``entries`` ((frame, write time)) to the media."""

@@ -9,13 +9,26 @@ ready) and a finish. Bandwidths are in GB/s, which is bytes per nanosecond.
 from __future__ import annotations
 
 import heapq
+import math
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .config import Config
+
+
+def earliest_time(guess: float, due: Callable[[float], bool]) -> float:
+    """The smallest float time ``t`` with ``due(t)``, for a ``due`` that is monotone in ``t`` and true or
+    nearly true at ``guess`` (e.g. ``guess = since + delay`` for ``due = lambda t: t - since >= delay``):
+    float rounding can put the exact threshold a few ulps either side of the sum, and a deadline
+    must be the very time the rule it mirrors starts to hold."""
+    while not due(guess):
+        guess = math.nextafter(guess, math.inf)
+    while due(below := math.nextafter(guess, -math.inf)):
+        guess = below
+    return guess
 
 
 @dataclass
@@ -83,6 +96,7 @@ class SsdModel:
         self.read_media = Pipe(f"{self.name}.read", 0.0, s.read_bandwidth_gbps)
         self.write_media = Pipe(f"{self.name}.write", 0.0, s.write_bandwidth_gbps)
         self.writes_until = 0.0  # virtual time the last reserved write finishes
+        self.reads_until = 0.0  # virtual time the last reserved read finishes
         self._read_finishes: list[float] = []  # min-heap, for reads_in_flight()
         self.slowed_reads = 0
 
@@ -96,6 +110,8 @@ class SsdModel:
         finish = self.read_media.transfer(start + self.read_latency_ns * slow, nbytes, slow)
         heapq.heapreplace(self._slots, finish)
         heapq.heappush(self._read_finishes, finish)
+        if finish > self.reads_until:
+            self.reads_until = finish
         return finish
 
     def write(self, ready: float, nbytes: int) -> float:
@@ -214,6 +230,17 @@ class TimingModel:
 
     def reads_in_flight(self, now: float) -> int:
         return sum(s.reads_in_flight(now) for s in self.ssds)
+
+    def reads_idle_at(self, now: float, max_in_flight: int = 0) -> float:
+        """The earliest time >= ``now`` at which at most ``max_in_flight`` of the SSD reads reserved so far
+        are in flight (``reads_in_flight(t) <= max_in_flight`` from then on, until a new read is reserved)."""
+        if max_in_flight == 0:  # every read has landed: the last finish (O(SSDs), the common case)
+            return max([now] + [s.reads_until for s in self.ssds])
+        finishes = [f for s in self.ssds for f in s._read_finishes if f > now]
+        if len(finishes) <= max_in_flight:
+            return now
+        # in flight at t: finishes > t; at most k of them once t reaches the (k+1)-th latest finish
+        return heapq.nlargest(max_in_flight + 1, finishes)[-1]
 
     def busy(self) -> dict[str, float]:
         out = {p.name: p.busy_ns for p in (self.link_to_host, self.link_to_device, self.controller, self.dram)}

@@ -1,34 +1,46 @@
 """Write admission and the flush arbiter (hymcache's write path).
 
 Reference models for ``rtl_model/chm_write_admission``: admission is a
-serialized, all-or-nothing check-and-reserve of write-buffer pages; space
-returns when a flush of those pages completes. The arbiter grants the SSDs to
+serialized, all-or-nothing check-and-reserve of write-buffer pages (the
+native core's ``chm_admission_*``); space returns when a flush of those pages
+completes. The arbiter grants the SSDs to
 the flusher only while reads are (nearly) idle, and gathers pages into
 batches.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+from .native import ffi, lib
+from .timing import earliest_time
+
 
 class WriteAdmission:
+    """The write buffer's page count, in the native core (``struct chm_admission``)."""
+
     def __init__(self, capacity_pages: int):
-        self.capacity_pages = capacity_pages
-        self.used_pages = 0
+        self._c = ffi.new("struct chm_admission *", {"capacity_pages": capacity_pages})
+
+    @property
+    def capacity_pages(self) -> int:
+        return self._c.capacity_pages
+
+    @property
+    def used_pages(self) -> int:
+        return self._c.used_pages
 
     @property
     def free_pages(self) -> int:
-        return self.capacity_pages - self.used_pages
+        return self._c.capacity_pages - self._c.used_pages
 
     def admit(self, pages: int) -> bool:
         """Reserve ``pages`` if all fit; otherwise reserve nothing and refuse."""
-        if pages > self.free_pages:
-            return False
-        self.used_pages += pages
-        return True
+        return bool(lib.chm_admission_admit(self._c, pages))
 
     def release(self, pages: int) -> None:
-        assert 0 <= pages <= self.used_pages, f"release of {pages} pages with {self.used_pages} reserved"
-        self.used_pages -= pages
+        if pages < 0 or lib.chm_admission_release(self._c, pages):
+            raise AssertionError(f"release of {pages} pages with {self.used_pages} reserved")
 
 
 class FlushArbiter:
@@ -55,3 +67,20 @@ class FlushArbiter:
         if oldest_age_ns >= self.max_delay_ns:
             return dirty_pages
         return 0
+
+    def next_grant_at(self, dirty_pages: int, oldest_written_ns: float, batch_full_ns: float | None, now: float,
+                      reads_idle_at: Callable[[int], float]) -> float | None:
+        """The earliest time >= ``now`` at which ``grant`` (not forced) gives pages, if nothing is written, read
+        or flushed meanwhile; None when nothing is dirty. That is once reads are idle enough
+        (``reads_idle_at(n)``: the earliest time >= ``now`` with at most ``n`` in flight) and either the batch
+        is full -- from ``batch_full_ns``, when its last page was written (``grant`` counts pages, but a flush
+        cannot start before its data is in DRAM) -- or the oldest page, written at ``oldest_written_ns``, has
+        waited ``max_delay_ns`` (its age at ``t`` is ``t - oldest_written_ns``, as ``grant`` is given it)."""
+        if dirty_pages == 0:
+            return None
+        if dirty_pages >= self.batch_pages:
+            ready = batch_full_ns
+        else:
+            ready = earliest_time(oldest_written_ns + self.max_delay_ns,
+                                  lambda t: t - oldest_written_ns >= self.max_delay_ns)
+        return max(now, ready, reads_idle_at(self.max_reads_in_flight))

@@ -5,6 +5,7 @@ Examples:
   python -m rtl_model.run chm_frame_table --size 2way --waves  # waves in the build folder
   python -m rtl_model.run chm_prefetch_engine --tests test_corners --sim verilator
   python -m rtl_model.run chm_write_admission --fault 1        # watch the lockstep check catch a fault
+  python -m rtl_model.run chm_frame_table --tests test_corners --native-mutation LRU_RANK  # ... a native one
   python -m rtl_model.run chm_frame_table --lint
 """
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", action="store_true", help="dump waves (also WAVES=1): <build-dir>/<block>.fst (Icarus) or dump.vcd (Verilator)")
     parser.add_argument("--tests", help="regular expression over test names, e.g. test_corners")
     parser.add_argument("--fault", type=int, default=0, help="FAULT parameter: 0 none, 1 the block's injected fault")
+    parser.add_argument("--native-mutation", metavar="NAME",
+                        help="run the reference side on the native core built with CHM_MUTATION_NAME "
+                             "(emulator/native/chm_core.h: LRU_RANK, PREFETCH_WINDOW, EXACT_FIT)")
     parser.add_argument("--build-dir", type=Path, help="build folder (default: build/rtl_model/<block>_<size>)")
     parser.add_argument("--lint", action="store_true", help="only run verilator --lint-only -Wall")
     args = parser.parse_args(argv)
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return done.returncode
     build_dir = args.build_dir or REPO / "build" / "rtl_model" / f"{args.block}_{size}"
     result = run_bench(args.block, params, build_dir, sim=args.sim, waves=args.waves, tests=args.tests,
-                       fault=args.fault)
+                       fault=args.fault, native_mutation=args.native_mutation)
     for name, message in result.failures.items():
         print(f"FAIL {name}: {message.splitlines()[0] if message else ''}")
     print(f"{args.block} ({size}): {result.tests - len(result.failures)} of {result.tests} tests passed; "

@@ -121,13 +121,19 @@ def _parse_results(xml: Path) -> BenchResult:
 
 
 def run_bench(block: str, params: dict[str, int], build_dir: Path, sim: str | None = None,
-              waves: bool = False, tests: str | None = None, fault: int = 0, seed: int = 1) -> BenchResult:
+              waves: bool = False, tests: str | None = None, fault: int = 0, seed: int = 1,
+              native_mutation: str | None = None) -> BenchResult:
     """Build ``block`` with ``params`` and run its bench; returns what passed and failed.
 
     ``tests``: a regular expression over test names (default: all). ``fault``:
     the block's FAULT parameter (0: none), to prove the lockstep checks bite.
+    ``native_mutation``: the reference side instead runs the native core built
+    with that ``CHM_MUTATION_*`` (e.g. ``LRU_RANK``), the same proof for the
+    code the emulator runs.
     """
     from cocotb_tools.runner import get_runner
+
+    from emulator.native_build import MUTATION_ENV
 
     check_block(block)
     sim = simulator(sim)
@@ -147,7 +153,8 @@ def run_bench(block: str, params: dict[str, int], build_dir: Path, sim: str | No
     cycles_out = build_dir / "cycles.json"
     cycles_out.unlink(missing_ok=True)
     xml = build_dir / "results.xml"
-    env = {"CHM_RTL_PARAMS": json.dumps(hdl_params), "CHM_CYCLES_OUT": str(cycles_out)}
+    env = {"CHM_RTL_PARAMS": json.dumps(hdl_params), "CHM_CYCLES_OUT": str(cycles_out),
+           MUTATION_ENV: native_mutation or ""}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the runner copies os.environ over extra_env
     try:

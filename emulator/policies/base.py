@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 from ..config import Config, Field
 from ..frame_table import EvictionPolicy, FrameTable, Inserted, LruOrder
+from ..timing import earliest_time
 
 
 class Area:
@@ -174,6 +175,19 @@ class Policy:
         """How many of the queued dirty pages ``dirty`` ((frame, write time), oldest first) to flush now."""
         raise NotImplementedError
 
+    def next_flush_at(self, dirty: Sequence[tuple[int, float]], now: float,
+                      reads_idle_at: Callable[[int], float]) -> float | None:
+        """When the background flusher next looks, if no page is written, read or flushed meanwhile: the
+        earliest virtual time >= ``now`` at which ``flush_grant(dirty, t, reads_in_flight(t), False)`` grants
+        pages (a rule that only counts pages dates its grant from when the last page it needs was written);
+        None if it never will.
+
+        The device's clock jumps from event to event, so this must be exact: a later time delays the flush,
+        and one at which ``flush_grant`` grants nothing is an error (``Controller.run_until`` says so).
+        ``reads_idle_at(n)``: the earliest time >= ``now`` with at most ``n`` SSD reads in flight."""
+        raise NotImplementedError(f"policy {self.name!r} ({type(self).__name__}) says how many pages to flush "
+                                  f"(flush_grant) but not when it next will (next_flush_at)")
+
 
 class CachePolicy(Policy):
     """A transparent DRAM cache (CMM-H style): demand staging, victims chosen by ``eviction`` (an
@@ -220,3 +234,10 @@ class CachePolicy(Policy):
                 break
             n += 1
         return n
+
+    def next_flush_at(self, dirty, now, reads_idle_at):
+        if not dirty:
+            return None
+        delay, oldest = self.cfg.policy.lru_writeback_delay_ns, dirty[0][1]
+        # flush_grant's own test, so the deadline is the first time it passes despite float rounding
+        return max(now, earliest_time(oldest + delay, lambda t: oldest <= t - delay))

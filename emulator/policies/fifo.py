@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from itertools import filterfalse
+from ..frame_table import NativeOrder, QueueView
+from ..native import lib
+from . import register
 
-from . import EvictionPolicy, register
 
-
-class FifoOrder(EvictionPolicy):
+class FifoOrder(NativeOrder):
     """First in, first out: a hit changes nothing. Pinned pages are skipped where they stand (they keep
-    their place, and go first once unpinned)."""
+    their place, and go first once unpinned). Runs in the native core (``CHM_POLICY_FIFO``)."""
 
-    def __init__(self, capacity, params=None):
-        super().__init__(capacity)
-        self.order: OrderedDict[int, None] = OrderedDict()  # oldest first (a dict would rescan its deleted head)
+    kind = lib.CHM_POLICY_FIFO
 
-    def find(self, page, update=True):
-        return page in self.order
-
-    def insert(self, page):
-        self.order[page] = None
-
-    def to_evict(self, pinned):
-        return next(filterfalse(pinned, self.order))
-
-    def evict(self, pinned, incoming=None):
-        victim = next(filterfalse(pinned, self.order))
-        del self.order[victim]
-        return victim
-
-    def remove(self, page):
-        del self.order[page]
+    @property
+    def order(self) -> QueueView:
+        """The pages, oldest first."""
+        return QueueView(self)
 
 
 register("fifo", FifoOrder)

@@ -96,5 +96,12 @@ class HymCachePolicy(Policy):
         oldest_age = now - dirty[0][1] if dirty else 0.0
         return self.arbiter.grant(len(dirty), reads_in_flight, oldest_age, force)
 
+    def next_flush_at(self, dirty, now, reads_idle_at):
+        if not dirty:
+            return None
+        batch = self.arbiter.batch_pages
+        full_at = dirty[batch - 1][1] if len(dirty) >= batch else None  # dirty is in write order
+        return self.arbiter.next_grant_at(len(dirty), dirty[0][1], full_at, now, reads_idle_at)
+
 
 register(HymCachePolicy.name, HymCachePolicy)

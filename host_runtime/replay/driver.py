@@ -5,7 +5,10 @@ frame state and modelled time. Concurrency is virtual: every stream is a
 generator that performs one controller operation at its current virtual time
 and yields the time its next operation starts; a heap always resumes the
 stream with the earliest time, so the shared controller and timing model see
-operations in time order, as the device would.
+operations in time order, as the device would. Before each operation the
+device's own background work that fell due meanwhile (flushes) runs, each at
+its own time (``Controller.run_until``): virtual time jumps from event to
+event, so idle spans cost nothing and replay cost follows the accesses.
 
 How a request uses the device (its ``keys`` are the KV blocks of its context):
 
@@ -60,7 +63,6 @@ VARIANTS: dict[str, tuple[str, bool]] = {
 }
 DEFAULT_WINDOW_BYTES = 128 * MiB  # per-request prefetch window: ~128 MB of KV (8 x 16 MB, 4 x 32 MB)
 MIN_WINDOW_BLOCKS = 2
-DEFAULT_TICK_NS = 1e6  # the device's background clock: one tick per ms of virtual time (the flush delay scale)
 
 
 def window_blocks(window_bytes: int, block_bytes: int) -> int:
@@ -183,7 +185,7 @@ class Replay:
 
     def __init__(self, cfg: Config, variant: str, workload: Workload, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  bucket_ns: float = 600e9, progress: bool = True, record_ops: bool = False,
-                 tick_ns: float = DEFAULT_TICK_NS, sequential: bool = False):
+                 sequential: bool = False):
         if variant not in VARIANTS:
             raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
         if cfg.emulation.data:
@@ -206,10 +208,6 @@ class Replay:
                              f"device's policy.prefetch_window_bytes = {cfg.policy.prefetch_window_bytes}")
         self.refusal_ns = 2 * cfg.host_link.latency_ns  # a refused write costs the host one round trip
         self.bucket_ns = bucket_ns
-        if not tick_ns > 0:
-            raise ValueError(f"tick_ns = {tick_ns!r} must be > 0")
-        self.tick_ns = tick_ns
-        self._active = 0  # streams of the current phase not yet finished
         self.by_time = workload.bucket_by == "time"
         self.buckets: dict[Any, Bucket] = {}
         self.bucket: Bucket | None = None
@@ -351,14 +349,6 @@ class Replay:
             if self.pbar is not None:
                 self.pbar.update(len(req.keys))
         self._phase_end = max(self._phase_end, now)
-        self._active -= 1
-
-    def _background(self, now: float):
-        """The device's own clock: background work (flushes) also happens while no request calls in."""
-        while self._active:
-            self.ctl.tick(now)
-            now += self.tick_ns
-            yield now
 
     def _sequential(self, phase, now: float) -> float:
         """The phase's requests one after another: streams in order, each stream's requests in turn."""
@@ -406,21 +396,24 @@ class Replay:
                     self.bucket = self.buckets[phase.label] = Bucket(phase.label, start_ns=now)
                 if self.sequential:
                     now = self._sequential(phase, now)
-                    self.ctl.tick(now)
+                    self.ctl.run_until(now)
                     continue
                 self._phase_end = now
                 heap = [(now + s.start_ns, i, self._stream(s, now)) for i, s in enumerate(phase.streams)]
-                self._active = len(heap)
-                heap.append((now, -1, self._background(now)))
                 heapq.heapify(heap)
+                run_until = self.ctl.run_until
                 while heap:
-                    _, i, gen = heap[0]
+                    t, i, gen = heap[0]
+                    # the device's own clock: background work due before this command (a flush landing, a
+                    # flush falling due) runs at its own time, even while no request calls in; asked anew
+                    # before every command, so a command that dirtied pages re-arms it
+                    run_until(t)
                     try:
                         heapq.heapreplace(heap, (next(gen), i, gen))
                     except StopIteration:
                         heapq.heappop(heap)
                 now = self._phase_end
-                self.ctl.tick(now)
+                self.ctl.run_until(now)
         finally:
             self.pbar.close()
         wall = time.perf_counter() - wall0
@@ -476,6 +469,7 @@ class Replay:
                       "write_misses": total.write_miss_pages,
                       "miss_ratio": misses / (read_pages + write_pages) if read_pages + write_pages else 0.0},
             "speed": {"wall_s": wall_s, "cpu_s": cpu_s, "block_accesses": block_ops, "page_accesses": page_ops,
+                      "background_events": self.ctl.events_run,
                       "block_accesses_per_s": block_ops / wall_s if wall_s else 0.0,
                       "page_accesses_per_s": page_ops / wall_s if wall_s else 0.0,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},

@@ -1,10 +1,11 @@
 """Traces in every format libCacheSim reads (oracleGeneral, csv, txt, binary, vscsi, ...), read by
 libCacheSim's own reader through its Python binding (``libcachesim``), not by a reader of ours.
 
-Each request of such a trace is one object access at its ``clock_time`` (seconds, libCacheSim's unit;
-``time_scale`` converts). An object of ``obj_size`` bytes is ``ceil(obj_size / block_bytes)`` blocks (at
-least one; ``ignore_obj_size``: always one), so with ``block_bytes`` = the device page an access is a read of
-the object's pages, and its first touch a write (driver.py: what the device holds is read, the rest written).
+Each request of such a trace is one object access at its ``clock_time`` (seconds, libCacheSim's unit, from
+the first request; ``time_scale`` converts). An object of ``obj_size`` bytes is ``ceil(obj_size /
+block_bytes)`` blocks (at least one; ``ignore_obj_size``: always one), so with ``block_bytes`` = the device
+page an access is a read of the object's pages, and its first touch a write (driver.py: what the device holds
+is read, the rest written).
 The request's operation (get, set, delete) is not used.
 
 libCacheSim's C reader aborts the whole process on a file it cannot read (a missing file, a txt line that is
@@ -213,8 +214,9 @@ class LibCacheSimTrace:
         return [base | j for j in range(self._blocks(size))]
 
     def phases(self) -> Iterator[Phase]:
-        ns = NS_PER_S * self.time_scale
-        yield Phase("trace", [Stream(t * ns, [Request(self.keys_of(o, s))])
+        # from the first request: epoch-second stamps keep nanosecond resolution
+        ns, first = NS_PER_S * self.time_scale, min(self.times)
+        yield Phase("trace", [Stream((t - first) * ns, [Request(self.keys_of(o, s))])
                               for t, o, s in zip(self.times, self.obj_ids, self.sizes)])
 
     def populate_keys(self):

@@ -71,7 +71,10 @@ class MooncakeTrace:
 
     Each hash id becomes ``512 / tokens_per_block`` KV blocks (4 with 128-token
     blocks), so a request reads and writes model-sized blocks. Every request is
-    its own stream, started at its timestamp (open loop).
+    its own stream, started at its timestamp (open loop), counted from the
+    trace's first timestamp: epoch-millisecond timestamps (1.7e12) replay like
+    ones from 0, and virtual time keeps its nanosecond resolution (a float
+    near 1.7e18 ns has a 256 ns step).
     """
 
     path: str | Path
@@ -116,7 +119,8 @@ class MooncakeTrace:
         return [h * n + j for h in hash_ids for j in range(n)]
 
     def phases(self) -> Iterator[Phase]:
-        yield Phase("trace", [Stream(ts * 1e6 * self.time_scale, [Request(self.keys_of(ids))])
+        first = min(ts for ts, _ in self.records)
+        yield Phase("trace", [Stream((ts - first) * 1e6 * self.time_scale, [Request(self.keys_of(ids))])
                               for ts, ids in self.records])
 
     def populate_keys(self):

@@ -163,8 +163,8 @@ def test_host_index_reads_only_the_stored_prefix_and_evicts_the_least_recent():
 # variants by their invariants (every read page is either staged or found; refusals are counted).
 GOLDEN_COUNTS = {
     "lru": {"hit_pages": 196, "miss_pages": 12, "refused_writes": 0, "blocks_read": 52, "blocks_written": 47},
-    "hymcache": {"hit_pages": 132, "miss_pages": 12, "refused_writes": 88, "blocks_read": 36, "blocks_written": 10},
-    "hymcache-noprefetch": {"hit_pages": 120, "miss_pages": 24, "refused_writes": 88, "blocks_read": 36,
+    "hymcache": {"hit_pages": 132, "miss_pages": 12, "refused_writes": 87, "blocks_read": 36, "blocks_written": 10},
+    "hymcache-noprefetch": {"hit_pages": 120, "miss_pages": 24, "refused_writes": 87, "blocks_read": 36,
                             "blocks_written": 10},
 }
 
@@ -331,17 +331,15 @@ class _WriterThenReader:
         return {}
 
 
-@pytest.mark.parametrize("tick_ns, flushed_before_ms", [(1e6, 5), (1e13, None)])
-def test_the_device_flushes_while_no_request_calls_in(tick_ns, flushed_before_ms):
+def test_the_device_flushes_while_no_request_calls_in():
     """Background work runs on the device's own clock: the partial batch goes out once its oldest page
-    is policy.flush_max_delay_ns old, not when the next request happens to call in."""
-    rp, result = replay(_WriterThenReader(), "hymcache", window_bytes=16 * MiB, tick_ns=tick_ns)
+    is policy.flush_max_delay_ns old, not when the next request happens to call in (50 ms later)."""
+    rp, result = replay(_WriterThenReader(), "hymcache", window_bytes=16 * MiB)
     assert result["total"]["blocks_written"] == 3 and result["total"]["blocks_read"] == 1
     last_flush_ms = max(ssd.write_media.free_at for ssd in rp.ctl.timing.ssds) / 1e6
-    if flushed_before_ms:
-        assert last_flush_ms < flushed_before_ms
-    else:
-        assert last_flush_ms > 50
+    assert last_flush_ms < 5
+    # each flush write landing, the partial batch falling due: a handful, where a tick per ms would be 50
+    assert 0 < result["speed"]["background_events"] < 20
 
 
 # ---- the command line --------------------------------------------------------------------------

@@ -1,0 +1,1269 @@
+/* The device model's native core (see chm_core.h). The decisions mirror, one
+ * for one, the specifications in emulator/frame_table.py and
+ * emulator/policies/{lru,fifo,clock,sieve,s3fifo}.py (libCacheSim's
+ * algorithms, with the device's pinned frames); the property tests in
+ * tests/emulator/test_native_core.py check them against the former Python
+ * implementations, kept there as models.
+ */
+#include "chm_core.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef CHM_MUTATION
+#define CHM_MUTATION CHM_MUTATION_NONE
+#endif
+
+int chm_core_mutation(void)
+{
+    return CHM_MUTATION;
+}
+
+/* ---- a hash map uint64 -> int32 (open addressing, linear probing, backward-shift deletion) ---- */
+
+struct chm_map {
+    uint64_t *keys;
+    int32_t *values;  /* -1: an empty slot */
+    uint32_t mask;
+    uint32_t count;
+    unsigned shift;   /* 64 - log2(slots): Fibonacci hashing takes the top bits */
+};
+
+#define MAP_MIN_SLOTS 8u
+
+static uint32_t map_home(const struct chm_map *m, uint64_t key)
+{
+    return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> m->shift);
+}
+
+/* Slots for `entries` at a load of at most 1/2. */
+static int map_init(struct chm_map *m, uint64_t entries)
+{
+    uint64_t slots = MAP_MIN_SLOTS;
+    unsigned bits = 3;
+    while (slots < 2 * entries) {
+        slots <<= 1;
+        bits++;
+    }
+    if (slots > (1ull << 31))
+        return CHM_E_ARG;
+    m->keys = malloc(slots * sizeof *m->keys);
+    m->values = malloc(slots * sizeof *m->values);
+    if (!m->keys || !m->values) {
+        free(m->keys);
+        free(m->values);
+        m->keys = NULL;
+        m->values = NULL;
+        return CHM_E_NOMEM;
+    }
+    memset(m->values, 0xff, slots * sizeof *m->values);
+    m->mask = (uint32_t)(slots - 1);
+    m->count = 0;
+    m->shift = 64 - bits;
+    return CHM_OK;
+}
+
+static void map_destroy(struct chm_map *m)
+{
+    free(m->keys);
+    free(m->values);
+}
+
+static int32_t map_get(const struct chm_map *m, uint64_t key)
+{
+    for (uint32_t i = map_home(m, key);; i = (i + 1) & m->mask) {
+        int32_t v = m->values[i];
+        if (v < 0 || m->keys[i] == key)
+            return v;
+    }
+}
+
+/* Put a key that is not there (the caller knows); the map has room for it. */
+static void map_put_new(struct chm_map *m, uint64_t key, int32_t value)
+{
+    uint32_t i = map_home(m, key);
+    while (m->values[i] >= 0)
+        i = (i + 1) & m->mask;
+    m->keys[i] = key;
+    m->values[i] = value;
+    m->count++;
+}
+
+/* Twice the slots when over half full (maps whose size is not known in advance). */
+static int map_reserve_one(struct chm_map *m)
+{
+    if (2 * ((uint64_t)m->count + 1) <= (uint64_t)m->mask + 1)
+        return CHM_OK;
+    struct chm_map bigger;
+    int rc = map_init(&bigger, (uint64_t)m->mask + 1);
+    if (rc)
+        return rc;
+    for (uint32_t i = 0; i <= m->mask; i++)
+        if (m->values[i] >= 0)
+            map_put_new(&bigger, m->keys[i], m->values[i]);
+    map_destroy(m);
+    *m = bigger;
+    return CHM_OK;
+}
+
+static void map_del(struct chm_map *m, uint64_t key)
+{
+    uint32_t i = map_home(m, key);
+    while (m->values[i] >= 0 && m->keys[i] != key)
+        i = (i + 1) & m->mask;
+    if (m->values[i] < 0)
+        return;
+    /* Shift back every later entry of the run whose home is not in (i, j]: no tombstones. */
+    for (uint32_t j = i;;) {
+        j = (j + 1) & m->mask;
+        if (m->values[j] < 0)
+            break;
+        uint32_t home = map_home(m, m->keys[j]);
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            m->keys[i] = m->keys[j];
+            m->values[i] = m->values[j];
+            i = j;
+        }
+    }
+    m->values[i] = -1;
+    m->count--;
+}
+
+/* ---- the frame table ---- */
+
+#define QUEUES 2
+#define NONE (-1)
+
+struct chm_set {
+    int32_t oldest[QUEUES];  /* per queue: its oldest and newest frame, NONE when empty */
+    int32_t newest[QUEUES];
+    uint32_t len[QUEUES];
+    uint32_t free_ways;
+    uint32_t pinned_ways;    /* frames with a pin count, resident or not */
+    uint32_t free_hint;      /* no free way in the bitmap words before this one */
+    int32_t hand;            /* sieve: the frame the hand looks at next; NONE: the oldest */
+    uint8_t has_evicted;     /* s3fifo: before the first eviction a full small queue sends pages to main */
+    uint8_t ghost_claimed;   /* s3fifo: evict() took claimed_page out of the ghost (libCacheSim looks the */
+    uint64_t claimed_page;   /*   miss up before it evicts); the insert that follows uses it */
+    int32_t ghost_oldest;    /* s3fifo: the ghost FIFO (page numbers), nodes of this set's pool */
+    int32_t ghost_newest;
+    int32_t ghost_free;
+    uint32_t ghost_len;
+};
+
+struct chm_ft {
+    uint32_t frames, ways, sets, resident;
+    struct chm_policy_params policy;
+    struct chm_policy_info info;
+    uint64_t *page_of;
+    uint8_t *dirty;
+    uint32_t *pins;
+    int32_t *older, *newer;  /* queue links, by frame */
+    uint32_t *freq;          /* clock: counter; sieve: visited bit; s3fifo: hits */
+    uint8_t *queue_of;       /* the queue a resident frame is in */
+    uint64_t *free_bits;     /* per set, words_per_set words: bit w = way w is free */
+    uint32_t words_per_set;
+    struct chm_set *set;
+    struct chm_map index;    /* page -> frame */
+    uint64_t *ghost_page;    /* s3fifo: sets * ghost_capacity nodes */
+    int32_t *ghost_older, *ghost_newer;
+    struct chm_map ghost_index;  /* page -> ghost node */
+    /* scratch for s3fifo's to_evict: the set's state, evicted on a copy and put back */
+    int32_t *save_older, *save_newer;
+    uint32_t *save_freq;
+    uint8_t *save_queue_of;
+};
+
+#define SATURATING_INC(x) ((x) += (x) != UINT32_MAX)
+#define S3FIFO_MAIN_MAX_FREQ 3  /* libCacheSim's main queue is a CLOCK with a 2-bit counter */
+
+static uint32_t set_of_frame(const struct chm_ft *ft, uint32_t frame)
+{
+    return frame / ft->ways;
+}
+
+static int pinned(const struct chm_ft *ft, int32_t frame)
+{
+    return ft->pins[frame] != 0;
+}
+
+/* -- queues: doubly linked lists of frames, oldest to newest -- */
+
+static void q_push_newest(struct chm_ft *ft, struct chm_set *s, int q, int32_t f)
+{
+    ft->older[f] = s->newest[q];
+    ft->newer[f] = NONE;
+    if (s->newest[q] == NONE)
+        s->oldest[q] = f;
+    else
+        ft->newer[s->newest[q]] = f;
+    s->newest[q] = f;
+    s->len[q]++;
+    ft->queue_of[f] = (uint8_t)q;
+}
+
+static void q_unlink(struct chm_ft *ft, struct chm_set *s, int q, int32_t f)
+{
+    int32_t o = ft->older[f], n = ft->newer[f];
+    if (o == NONE)
+        s->oldest[q] = n;
+    else
+        ft->newer[o] = n;
+    if (n == NONE)
+        s->newest[q] = o;
+    else
+        ft->older[n] = o;
+    s->len[q]--;
+}
+
+static void q_move_newest(struct chm_ft *ft, struct chm_set *s, int q, int32_t f)
+{
+    if (s->newest[q] != f) {
+        q_unlink(ft, s, q, f);
+        q_push_newest(ft, s, q, f);
+    }
+}
+
+/* -- s3fifo's ghost: a FIFO of page numbers with removal anywhere -- */
+
+static int32_t ghost_node_base(const struct chm_ft *ft, const struct chm_set *s)
+{
+    return (int32_t)((uint32_t)(s - ft->set) * ft->info.ghost_capacity);
+}
+
+static int ghost_take(struct chm_ft *ft, struct chm_set *s, uint64_t page)
+{
+    if (!ft->info.ghost_capacity)
+        return 0;
+    int32_t g = map_get(&ft->ghost_index, page);
+    if (g < 0)
+        return 0;
+    int32_t o = ft->ghost_older[g], n = ft->ghost_newer[g];
+    if (o == NONE)
+        s->ghost_oldest = n;
+    else
+        ft->ghost_newer[o] = n;
+    if (n == NONE)
+        s->ghost_newest = o;
+    else
+        ft->ghost_older[n] = o;
+    s->ghost_len--;
+    map_del(&ft->ghost_index, page);
+    ft->ghost_newer[g] = s->ghost_free;
+    s->ghost_free = g;
+    return 1;
+}
+
+static void ghost_push(struct chm_ft *ft, struct chm_set *s, uint64_t page)
+{
+    while (s->ghost_len >= ft->info.ghost_capacity)
+        ghost_take(ft, s, ft->ghost_page[s->ghost_oldest]);
+    int32_t g = s->ghost_free;
+    s->ghost_free = ft->ghost_newer[g];
+    ft->ghost_page[g] = page;
+    ft->ghost_older[g] = s->ghost_newest;
+    ft->ghost_newer[g] = NONE;
+    if (s->ghost_newest == NONE)
+        s->ghost_oldest = g;
+    else
+        ft->ghost_newer[s->ghost_newest] = g;
+    s->ghost_newest = g;
+    s->ghost_len++;
+    map_put_new(&ft->ghost_index, page, g);
+}
+
+/* -- the eviction policies: a page arrived, was hit, left; choose a victim -- */
+
+static void policy_inserted(struct chm_ft *ft, struct chm_set *s, int32_t f, uint64_t page)
+{
+    ft->freq[f] = 0;
+    switch (ft->policy.kind) {
+    case CHM_POLICY_EXTERNAL:
+        return;
+    case CHM_POLICY_S3FIFO: {
+        int in_ghost;
+        if (s->ghost_claimed && s->claimed_page == page) {
+            s->ghost_claimed = 0;
+            in_ghost = 1;
+        } else {
+            in_ghost = ghost_take(ft, s, page);
+        }
+        int to_main = in_ghost || (!s->has_evicted && s->len[CHM_QUEUE_SMALL] >= ft->info.small_capacity);
+        q_push_newest(ft, s, to_main ? CHM_QUEUE_MAIN : CHM_QUEUE_SMALL, f);
+        return;
+    }
+    default:
+        q_push_newest(ft, s, CHM_QUEUE_MAIN, f);
+    }
+}
+
+static void policy_hit(struct chm_ft *ft, struct chm_set *s, int32_t f)
+{
+    switch (ft->policy.kind) {
+    case CHM_POLICY_LRU:
+        q_move_newest(ft, s, CHM_QUEUE_MAIN, f);
+        break;
+    case CHM_POLICY_CLOCK:
+        if (ft->freq[f] < ft->info.max_freq)
+            ft->freq[f]++;
+        break;
+    case CHM_POLICY_SIEVE:
+        ft->freq[f] = 1;
+        break;
+    case CHM_POLICY_S3FIFO:
+        SATURATING_INC(ft->freq[f]);
+        break;
+    default:  /* fifo: a hit changes nothing; external: the plug-in is told by the caller */
+        break;
+    }
+}
+
+static void policy_removed(struct chm_ft *ft, struct chm_set *s, int32_t f)
+{
+    switch (ft->policy.kind) {
+    case CHM_POLICY_EXTERNAL:
+        return;
+    case CHM_POLICY_SIEVE:
+        if (s->hand == f)
+            s->hand = ft->newer[f];
+        break;
+    default:
+        break;
+    }
+    q_unlink(ft, s, ft->queue_of[f], f);
+}
+
+/* lru, fifo: the oldest unpinned frame (pinned ones keep their place). */
+static int32_t oldest_unpinned(const struct chm_ft *ft, const struct chm_set *s)
+{
+#if CHM_MUTATION == CHM_MUTATION_LRU_RANK
+    if (ft->policy.kind == CHM_POLICY_LRU) {
+        for (int32_t f = s->newest[CHM_QUEUE_MAIN]; f != NONE; f = ft->older[f])
+            if (!pinned(ft, f))
+                return f;
+        return NONE;
+    }
+#endif
+    for (int32_t f = s->oldest[CHM_QUEUE_MAIN]; f != NONE; f = ft->newer[f])
+        if (!pinned(ft, f))
+            return f;
+    return NONE;
+}
+
+/* clock: the hand at the oldest; a pinned page passes to the newest end unchanged, a counted one loses 1
+ * and goes there, the first at 0 is the victim. Each turn lowers every unpinned counter, so at most
+ * max_freq + 1 turns. */
+static int32_t clock_evict(struct chm_ft *ft, struct chm_set *s)
+{
+    uint64_t limit = ((uint64_t)ft->info.max_freq + 2) * s->len[CHM_QUEUE_MAIN];
+    for (uint64_t step = 0; step < limit; step++) {
+        int32_t f = s->oldest[CHM_QUEUE_MAIN];
+        if (pinned(ft, f)) {
+            q_move_newest(ft, s, CHM_QUEUE_MAIN, f);
+        } else if (ft->freq[f]) {
+            ft->freq[f]--;
+            q_move_newest(ft, s, CHM_QUEUE_MAIN, f);
+        } else {
+            q_unlink(ft, s, CHM_QUEUE_MAIN, f);
+            return f;
+        }
+    }
+    return NONE;
+}
+
+/* clock without turning the hand: the first unpinned frame (from the oldest) with the smallest counter. */
+static int32_t clock_to_evict(const struct chm_ft *ft, const struct chm_set *s)
+{
+    int32_t victim = NONE;
+    for (int32_t f = s->oldest[CHM_QUEUE_MAIN]; f != NONE; f = ft->newer[f]) {
+        if (!pinned(ft, f) && (victim == NONE || ft->freq[f] < ft->freq[victim])) {
+            victim = f;
+            if (!ft->freq[f])
+                break;
+        }
+    }
+    return victim;
+}
+
+/* sieve: the hand moves from the oldest towards the newest, wrapping round. */
+static int32_t sieve_next(const struct chm_ft *ft, const struct chm_set *s, int32_t f)
+{
+    int32_t n = ft->newer[f];
+    return n == NONE ? s->oldest[CHM_QUEUE_MAIN] : n;
+}
+
+static int32_t sieve_evict(struct chm_ft *ft, struct chm_set *s)
+{
+    if (!s->len[CHM_QUEUE_MAIN])
+        return NONE;
+    int32_t f = s->hand == NONE ? s->oldest[CHM_QUEUE_MAIN] : s->hand;
+    /* within two turns: the first clears every unpinned bit */
+    for (uint64_t step = 0, limit = 2 * (uint64_t)s->len[CHM_QUEUE_MAIN] + 1; step < limit; step++) {
+        if (!pinned(ft, f)) {
+            if (!ft->freq[f]) {
+                s->hand = ft->newer[f];
+                q_unlink(ft, s, CHM_QUEUE_MAIN, f);
+                return f;
+            }
+            ft->freq[f] = 0;
+        }
+        f = sieve_next(ft, s, f);
+    }
+    return NONE;
+}
+
+/* sieve without moving the hand: in one turn the first unpinned frame not visited; after a full turn every
+ * unpinned bit would be clear and the hand back where it started, so the first unpinned frame it passed. */
+static int32_t sieve_to_evict(const struct chm_ft *ft, const struct chm_set *s)
+{
+    int32_t f = s->hand == NONE ? s->oldest[CHM_QUEUE_MAIN] : s->hand;
+    int32_t first_unpinned = NONE;
+    for (uint32_t i = 0; i < s->len[CHM_QUEUE_MAIN]; i++) {
+        if (!pinned(ft, f)) {
+            if (!ft->freq[f])
+                return f;
+            if (first_unpinned == NONE)
+                first_unpinned = f;
+        }
+        f = sieve_next(ft, s, f);
+    }
+    return first_unpinned;
+}
+
+/* s3fifo, the small queue: pinned pages pass to its newest end; a page hit at least `threshold` times
+ * moves to the main queue; the first other page is the victim, and its number goes to the ghost. */
+static int32_t s3fifo_evict_small(struct chm_ft *ft, struct chm_set *s, int dry)
+{
+    uint32_t passed = 0;
+    while (s->len[CHM_QUEUE_SMALL] && passed < s->len[CHM_QUEUE_SMALL]) {
+        int32_t f = s->oldest[CHM_QUEUE_SMALL];
+        if (pinned(ft, f)) {
+            q_move_newest(ft, s, CHM_QUEUE_SMALL, f);
+            passed++;
+            continue;
+        }
+        q_unlink(ft, s, CHM_QUEUE_SMALL, f);
+        if (ft->freq[f] >= ft->info.threshold) {
+            q_push_newest(ft, s, CHM_QUEUE_MAIN, f);
+            ft->freq[f] = 0;
+            continue;
+        }
+        if (ft->info.ghost_capacity && !dry)
+            ghost_push(ft, s, ft->page_of[f]);
+        return f;
+    }
+    return NONE;
+}
+
+/* s3fifo, the main queue: a CLOCK; a whole turn of pinned pages means every page here is pinned. */
+static int32_t s3fifo_evict_main(struct chm_ft *ft, struct chm_set *s)
+{
+    uint32_t pinned_run = 0;
+    while (s->len[CHM_QUEUE_MAIN] && pinned_run < s->len[CHM_QUEUE_MAIN]) {
+        int32_t f = s->oldest[CHM_QUEUE_MAIN];
+        if (pinned(ft, f)) {
+            q_move_newest(ft, s, CHM_QUEUE_MAIN, f);
+            pinned_run++;
+            continue;
+        }
+        pinned_run = 0;
+        if (!ft->freq[f]) {
+            q_unlink(ft, s, CHM_QUEUE_MAIN, f);
+            return f;
+        }
+        uint32_t capped = ft->freq[f] < S3FIFO_MAIN_MAX_FREQ ? ft->freq[f] : S3FIFO_MAIN_MAX_FREQ;
+        ft->freq[f] = capped - 1;
+        q_move_newest(ft, s, CHM_QUEUE_MAIN, f);
+    }
+    return NONE;
+}
+
+static int32_t s3fifo_evict(struct chm_ft *ft, struct chm_set *s, int has_incoming, uint64_t incoming, int dry)
+{
+    if (has_incoming && !dry) {
+        s->ghost_claimed = (uint8_t)ghost_take(ft, s, incoming);
+        s->claimed_page = incoming;
+    }
+    s->has_evicted = 1;
+    for (int round = 0; round < 2; round++) {  /* a second round after the small queue moved pages to main */
+        int32_t victim;
+        if (s->len[CHM_QUEUE_MAIN] > ft->info.main_capacity || !s->len[CHM_QUEUE_SMALL]) {
+            victim = s3fifo_evict_main(ft, s);
+            if (victim == NONE)
+                victim = s3fifo_evict_small(ft, s, dry);
+        } else {
+            victim = s3fifo_evict_small(ft, s, dry);
+            if (victim == NONE)
+                victim = s3fifo_evict_main(ft, s);
+        }
+        if (victim != NONE)
+            return victim;
+    }
+    return NONE;
+}
+
+/* s3fifo without changing anything: evict on the set's state, then put it back (the ghost is left alone:
+ * it does not decide the victim). */
+static int32_t s3fifo_to_evict(struct chm_ft *ft, struct chm_set *s)
+{
+    uint32_t base = (uint32_t)(s - ft->set) * ft->ways, n = ft->ways;
+    struct chm_set saved = *s;
+    memcpy(ft->save_older, ft->older + base, n * sizeof *ft->older);
+    memcpy(ft->save_newer, ft->newer + base, n * sizeof *ft->newer);
+    memcpy(ft->save_freq, ft->freq + base, n * sizeof *ft->freq);
+    memcpy(ft->save_queue_of, ft->queue_of + base, n * sizeof *ft->queue_of);
+    int32_t victim = s3fifo_evict(ft, s, 0, 0, 1);
+    *s = saved;
+    memcpy(ft->older + base, ft->save_older, n * sizeof *ft->older);
+    memcpy(ft->newer + base, ft->save_newer, n * sizeof *ft->newer);
+    memcpy(ft->freq + base, ft->save_freq, n * sizeof *ft->freq);
+    memcpy(ft->queue_of + base, ft->save_queue_of, n * sizeof *ft->queue_of);
+    return victim;
+}
+
+/* Choose a victim among the set's unpinned resident frames and drop it from the policy's order. */
+static int32_t policy_evict(struct chm_ft *ft, struct chm_set *s, int has_incoming, uint64_t incoming)
+{
+    int32_t f;
+    switch (ft->policy.kind) {
+    case CHM_POLICY_LRU:
+    case CHM_POLICY_FIFO:
+        f = oldest_unpinned(ft, s);
+        if (f != NONE)
+            q_unlink(ft, s, CHM_QUEUE_MAIN, f);
+        return f;
+    case CHM_POLICY_CLOCK:
+        return clock_evict(ft, s);
+    case CHM_POLICY_SIEVE:
+        return sieve_evict(ft, s);
+    case CHM_POLICY_S3FIFO:
+        return s3fifo_evict(ft, s, has_incoming, incoming, 0);
+    default:
+        return NONE;
+    }
+}
+
+static int32_t policy_to_evict(struct chm_ft *ft, struct chm_set *s)
+{
+    switch (ft->policy.kind) {
+    case CHM_POLICY_LRU:
+    case CHM_POLICY_FIFO:
+        return oldest_unpinned(ft, s);
+    case CHM_POLICY_CLOCK:
+        return clock_to_evict(ft, s);
+    case CHM_POLICY_SIEVE:
+        return sieve_to_evict(ft, s);
+    case CHM_POLICY_S3FIFO:
+        return s3fifo_to_evict(ft, s);
+    default:
+        return NONE;
+    }
+}
+
+/* -- free ways: a bitmap per set, lowest way first -- */
+
+static int32_t take_free_way(struct chm_ft *ft, uint32_t set)
+{
+    struct chm_set *s = &ft->set[set];
+    uint64_t *bits = ft->free_bits + (uint64_t)set * ft->words_per_set;
+    for (uint32_t w = s->free_hint; w < ft->words_per_set; w++) {
+        if (bits[w]) {
+            unsigned b = (unsigned)__builtin_ctzll(bits[w]);
+            bits[w] &= bits[w] - 1;
+            s->free_hint = w;
+            s->free_ways--;
+            return (int32_t)(set * ft->ways + w * 64 + b);
+        }
+    }
+    return NONE;
+}
+
+static void give_free_way(struct chm_ft *ft, uint32_t frame)
+{
+    uint32_t set = set_of_frame(ft, frame), way = frame - set * ft->ways;
+    struct chm_set *s = &ft->set[set];
+    ft->free_bits[(uint64_t)set * ft->words_per_set + way / 64] |= 1ull << (way % 64);
+    if (way / 64 < s->free_hint)
+        s->free_hint = way / 64;
+    s->free_ways++;
+}
+
+/* -- construction -- */
+
+int chm_policy_info(uint32_t ways, const struct chm_policy_params *policy, struct chm_policy_info *out)
+{
+    struct chm_policy_info info = {0};
+    if (!ways || policy->kind > CHM_POLICY_S3FIFO)
+        return CHM_E_ARG;
+    if (policy->kind == CHM_POLICY_CLOCK) {
+        if (policy->n_bit_counter < 1 || policy->n_bit_counter > 31)
+            return CHM_E_ARG;
+        info.max_freq = (1u << policy->n_bit_counter) - 1;
+    }
+    if (policy->kind == CHM_POLICY_S3FIFO) {
+        /* integer parts as libCacheSim computes them (int64 times double, truncated) */
+        double small = (double)ways * policy->small_size_ratio, ghost = (double)ways * policy->ghost_size_ratio;
+        if (!(small >= 0 && small <= ways) || !(ghost >= 0 && ghost < INT32_MAX))
+            return CHM_E_ARG;
+        info.small_capacity = (uint32_t)small;
+        info.main_capacity = ways - info.small_capacity;
+        info.ghost_capacity = (uint32_t)ghost;
+        info.threshold = policy->move_to_main_threshold;
+    }
+    *out = info;
+    return CHM_OK;
+}
+
+int chm_ft_new(uint32_t frames, uint32_t ways, const struct chm_policy_params *policy, struct chm_ft **out)
+{
+    struct chm_policy_info info;
+    if (!frames || !ways || frames % ways || frames > (uint32_t)INT32_MAX || chm_policy_info(ways, policy, &info))
+        return CHM_E_ARG;
+    if ((uint64_t)info.ghost_capacity * (frames / ways) > INT32_MAX)
+        return CHM_E_ARG;
+    struct chm_ft *ft = calloc(1, sizeof *ft);
+    if (!ft)
+        return CHM_E_NOMEM;
+    ft->frames = frames;
+    ft->ways = ways;
+    ft->sets = frames / ways;
+    ft->policy = *policy;
+    ft->info = info;
+    size_t n = frames;
+    ft->words_per_set = (ways + 63) / 64;
+    ft->page_of = malloc(n * sizeof *ft->page_of);
+    ft->dirty = calloc(n, sizeof *ft->dirty);
+    ft->pins = calloc(n, sizeof *ft->pins);
+    ft->older = malloc(n * sizeof *ft->older);
+    ft->newer = malloc(n * sizeof *ft->newer);
+    ft->freq = calloc(n, sizeof *ft->freq);
+    ft->queue_of = calloc(n, sizeof *ft->queue_of);
+    ft->free_bits = calloc((size_t)ft->sets * ft->words_per_set, sizeof *ft->free_bits);
+    ft->set = calloc(ft->sets, sizeof *ft->set);
+    if (!ft->page_of || !ft->dirty || !ft->pins || !ft->older || !ft->newer || !ft->freq || !ft->queue_of
+        || !ft->free_bits || !ft->set)
+        goto no_mem;
+    int rc = map_init(&ft->index, frames);
+    if (rc) {
+        chm_ft_free(ft);
+        return rc;
+    }
+    if (policy->kind == CHM_POLICY_S3FIFO) {
+        size_t nodes = (size_t)ft->sets * ft->info.ghost_capacity;
+        ft->ghost_page = malloc((nodes ? nodes : 1) * sizeof *ft->ghost_page);
+        ft->ghost_older = malloc((nodes ? nodes : 1) * sizeof *ft->ghost_older);
+        ft->ghost_newer = malloc((nodes ? nodes : 1) * sizeof *ft->ghost_newer);
+        ft->save_older = malloc(ways * sizeof *ft->save_older);
+        ft->save_newer = malloc(ways * sizeof *ft->save_newer);
+        ft->save_freq = malloc(ways * sizeof *ft->save_freq);
+        ft->save_queue_of = malloc(ways * sizeof *ft->save_queue_of);
+        if (!ft->ghost_page || !ft->ghost_older || !ft->ghost_newer || !ft->save_older || !ft->save_newer
+            || !ft->save_freq || !ft->save_queue_of)
+            goto no_mem;
+        rc = map_init(&ft->ghost_index, nodes);
+        if (rc) {
+            chm_ft_free(ft);
+            return rc;
+        }
+        for (size_t g = 0; g < nodes; g++)  /* each set's free list: its own nodes in order */
+            ft->ghost_newer[g] = (g + 1) % ft->info.ghost_capacity ? (int32_t)(g + 1) : NONE;
+    }
+    for (size_t f = 0; f < n; f++)
+        ft->page_of[f] = CHM_NO_PAGE;
+    for (uint32_t set = 0; set < ft->sets; set++) {
+        struct chm_set *s = &ft->set[set];
+        for (int q = 0; q < QUEUES; q++)
+            s->oldest[q] = s->newest[q] = NONE;
+        s->hand = NONE;
+        s->free_ways = ways;
+        s->ghost_oldest = s->ghost_newest = NONE;
+        s->ghost_free = ft->info.ghost_capacity ? (int32_t)(set * ft->info.ghost_capacity) : NONE;
+        uint64_t *bits = ft->free_bits + (size_t)set * ft->words_per_set;
+        for (uint32_t w = 0; w < ways / 64; w++)
+            bits[w] = ~0ull;
+        if (ways % 64)
+            bits[ways / 64] = (1ull << (ways % 64)) - 1;
+    }
+    *out = ft;
+    return CHM_OK;
+no_mem:
+    chm_ft_free(ft);
+    return CHM_E_NOMEM;
+}
+
+void chm_ft_free(struct chm_ft *ft)
+{
+    if (!ft)
+        return;
+    free(ft->page_of);
+    free(ft->dirty);
+    free(ft->pins);
+    free(ft->older);
+    free(ft->newer);
+    free(ft->freq);
+    free(ft->queue_of);
+    free(ft->free_bits);
+    free(ft->set);
+    map_destroy(&ft->index);
+    free(ft->ghost_page);
+    free(ft->ghost_older);
+    free(ft->ghost_newer);
+    map_destroy(&ft->ghost_index);
+    free(ft->save_older);
+    free(ft->save_newer);
+    free(ft->save_freq);
+    free(ft->save_queue_of);
+    free(ft);
+}
+
+uint64_t *chm_ft_page_of(struct chm_ft *ft) { return ft->page_of; }
+uint8_t *chm_ft_dirty(struct chm_ft *ft) { return ft->dirty; }
+uint32_t *chm_ft_pins(struct chm_ft *ft) { return ft->pins; }
+uint32_t chm_ft_resident(const struct chm_ft *ft) { return ft->resident; }
+
+int64_t chm_ft_free_ways(const struct chm_ft *ft, uint32_t set)
+{
+    return set < ft->sets ? (int64_t)ft->set[set].free_ways : CHM_E_FRAME;
+}
+
+int64_t chm_ft_pinned_ways(const struct chm_ft *ft, uint32_t set)
+{
+    return set < ft->sets ? (int64_t)ft->set[set].pinned_ways : CHM_E_FRAME;
+}
+
+/* -- operations -- */
+
+int64_t chm_ft_lookup(const struct chm_ft *ft, uint64_t page)
+{
+    return map_get(&ft->index, page);
+}
+
+static int check_resident(const struct chm_ft *ft, uint32_t frame)
+{
+    if (frame >= ft->frames)
+        return CHM_E_FRAME;
+    return ft->page_of[frame] == CHM_NO_PAGE ? CHM_E_EMPTY : CHM_OK;
+}
+
+int chm_ft_touch(struct chm_ft *ft, uint32_t frame)
+{
+    int rc = check_resident(ft, frame);
+    if (!rc)
+        policy_hit(ft, &ft->set[set_of_frame(ft, frame)], (int32_t)frame);
+    return rc;
+}
+
+/* The frame's page leaves (evicted or invalidated): out of the index, the frame free. */
+static void drop_page(struct chm_ft *ft, int32_t f)
+{
+    map_del(&ft->index, ft->page_of[f]);
+    ft->page_of[f] = CHM_NO_PAGE;
+    ft->dirty[f] = 0;
+    ft->resident--;
+}
+
+static void place(struct chm_ft *ft, struct chm_set *s, int32_t f, uint64_t page, struct chm_access *out)
+{
+    ft->page_of[f] = page;
+    ft->dirty[f] = 0;
+    map_put_new(&ft->index, page, f);
+    ft->resident++;
+    policy_inserted(ft, s, f, page);
+    out->frame = (uint32_t)f;
+    out->hit = 0;
+}
+
+static void report_victim(const struct chm_ft *ft, int32_t f, struct chm_access *out)
+{
+    out->victim_page = ft->page_of[f];
+    out->victim_dirty = ft->dirty[f];
+}
+
+/* Insert a page known not to be resident. */
+static int insert_absent(struct chm_ft *ft, uint64_t page, struct chm_access *out)
+{
+    uint32_t set = (uint32_t)(page % ft->sets);
+    struct chm_set *s = &ft->set[set];
+    int32_t f;
+    out->victim_page = CHM_NO_PAGE;
+    out->victim_dirty = 0;
+    if (s->free_ways) {
+        f = take_free_way(ft, set);
+    } else {
+        if (s->pinned_ways == ft->ways)
+            return CHM_ALL_PINNED;
+        if (ft->policy.kind == CHM_POLICY_EXTERNAL)
+            return CHM_NEEDS_VICTIM;
+        f = policy_evict(ft, s, 1, page);
+        if (f == NONE || pinned(ft, f))
+            return CHM_E_INTERNAL;
+        report_victim(ft, f, out);
+        drop_page(ft, f);
+    }
+    if (f == NONE)
+        return CHM_E_INTERNAL;
+    place(ft, s, f, page, out);
+    return CHM_OK;
+}
+
+int chm_ft_insert(struct chm_ft *ft, uint64_t page, struct chm_access *out)
+{
+    if (page == CHM_NO_PAGE)
+        return CHM_E_ARG;
+    if (map_get(&ft->index, page) >= 0)
+        return CHM_E_RESIDENT;
+    return insert_absent(ft, page, out);
+}
+
+int chm_ft_insert_replacing(struct chm_ft *ft, uint64_t page, uint32_t victim_frame, struct chm_access *out)
+{
+    if (page == CHM_NO_PAGE)
+        return CHM_E_ARG;
+    if (map_get(&ft->index, page) >= 0)
+        return CHM_E_RESIDENT;
+    int rc = check_resident(ft, victim_frame);
+    if (rc)
+        return rc;
+    uint32_t set = (uint32_t)(page % ft->sets);
+    if (set_of_frame(ft, victim_frame) != set)
+        return CHM_E_OTHER_SET;
+    if (pinned(ft, (int32_t)victim_frame))
+        return CHM_E_PINNED;
+    struct chm_set *s = &ft->set[set];
+    if (ft->policy.kind != CHM_POLICY_EXTERNAL)
+        policy_removed(ft, s, (int32_t)victim_frame);
+    report_victim(ft, (int32_t)victim_frame, out);
+    drop_page(ft, (int32_t)victim_frame);
+    place(ft, s, (int32_t)victim_frame, page, out);
+    return CHM_OK;
+}
+
+int chm_ft_lookup_or_insert(struct chm_ft *ft, uint64_t page, struct chm_access *out)
+{
+    if (page == CHM_NO_PAGE)
+        return CHM_E_ARG;
+    int32_t f = map_get(&ft->index, page);
+    if (f >= 0) {
+        policy_hit(ft, &ft->set[set_of_frame(ft, (uint32_t)f)], f);
+        out->frame = (uint32_t)f;
+        out->hit = 1;
+        out->victim_page = CHM_NO_PAGE;
+        out->victim_dirty = 0;
+        return CHM_OK;
+    }
+    return insert_absent(ft, page, out);
+}
+
+int chm_ft_access_many(struct chm_ft *ft, const uint64_t *pages, const uint8_t *writes, uint64_t n,
+                       uint8_t *hit_out, struct chm_access_counts *counts)
+{
+    struct chm_access a;
+    memset(counts, 0, sizeof *counts);
+    for (uint64_t i = 0; i < n; i++) {
+        int rc = chm_ft_lookup_or_insert(ft, pages[i], &a);
+        if (rc)
+            return rc;
+        counts->accesses++;
+        if (a.hit) {
+            counts->hits++;
+        } else {
+            counts->misses++;
+            if (a.victim_page != CHM_NO_PAGE) {
+                counts->evictions++;
+                counts->dirty_evictions += a.victim_dirty;
+            }
+        }
+        if (writes && writes[i])
+            ft->dirty[a.frame] = 1;
+        if (hit_out)
+            hit_out[i] = a.hit;
+    }
+    return CHM_OK;
+}
+
+int64_t chm_ft_victim(struct chm_ft *ft, uint64_t page)
+{
+    struct chm_set *s = &ft->set[page % ft->sets];
+    if (s->free_ways || s->pinned_ways == ft->ways)
+        return NONE;
+    return policy_to_evict(ft, s);
+}
+
+int64_t chm_ft_to_evict(struct chm_ft *ft, uint32_t set)
+{
+    if (set >= ft->sets)
+        return CHM_E_FRAME;
+    return policy_to_evict(ft, &ft->set[set]);
+}
+
+int chm_ft_evict(struct chm_ft *ft, uint32_t set, uint64_t incoming, struct chm_access *out)
+{
+    if (set >= ft->sets || ft->policy.kind == CHM_POLICY_EXTERNAL)
+        return CHM_E_ARG;
+    if (incoming != CHM_NO_PAGE && incoming % ft->sets != set)
+        return CHM_E_OTHER_SET;
+    if (incoming != CHM_NO_PAGE && map_get(&ft->index, incoming) >= 0)
+        return CHM_E_RESIDENT;
+    struct chm_set *s = &ft->set[set];
+    int32_t f = policy_evict(ft, s, incoming != CHM_NO_PAGE, incoming);
+    if (f == NONE)
+        return CHM_ALL_PINNED;
+    report_victim(ft, f, out);
+    out->frame = (uint32_t)f;
+    out->hit = 0;
+    drop_page(ft, f);
+    give_free_way(ft, (uint32_t)f);
+    return CHM_OK;
+}
+
+int chm_ft_invalidate(struct chm_ft *ft, uint32_t frame)
+{
+    int rc = check_resident(ft, frame);
+    if (rc)
+        return rc;
+    if (ft->pins[frame])
+        return CHM_E_PINNED;
+    policy_removed(ft, &ft->set[set_of_frame(ft, frame)], (int32_t)frame);
+    drop_page(ft, (int32_t)frame);
+    give_free_way(ft, frame);
+    return CHM_OK;
+}
+
+int chm_ft_mark_dirty(struct chm_ft *ft, uint32_t frame)
+{
+    if (frame >= ft->frames)
+        return CHM_E_FRAME;
+    ft->dirty[frame] = 1;
+    return CHM_OK;
+}
+
+int chm_ft_clear_dirty(struct chm_ft *ft, uint32_t frame)
+{
+    if (frame >= ft->frames)
+        return CHM_E_FRAME;
+    ft->dirty[frame] = 0;
+    return CHM_OK;
+}
+
+int chm_ft_pin(struct chm_ft *ft, uint32_t frame)
+{
+    if (frame >= ft->frames)
+        return CHM_E_FRAME;
+    if (ft->pins[frame] == UINT32_MAX)
+        return CHM_E_PIN_LIMIT;
+    if (!ft->pins[frame]++)
+        ft->set[set_of_frame(ft, frame)].pinned_ways++;
+    return CHM_OK;
+}
+
+int chm_ft_unpin(struct chm_ft *ft, uint32_t frame)
+{
+    if (frame >= ft->frames)
+        return CHM_E_FRAME;
+    if (!ft->pins[frame])
+        return CHM_E_NOT_PINNED;
+    if (!--ft->pins[frame])
+        ft->set[set_of_frame(ft, frame)].pinned_ways--;
+    return CHM_OK;
+}
+
+int chm_ft_page_pinned(const struct chm_ft *ft, uint64_t page)
+{
+    int32_t f = map_get(&ft->index, page);
+    return f >= 0 && ft->pins[f];
+}
+
+uint32_t chm_ft_queue(const struct chm_ft *ft, uint32_t set, uint32_t queue, uint64_t *out, uint32_t max)
+{
+    if (set >= ft->sets || queue >= QUEUES)
+        return 0;
+    uint32_t n = 0;
+    for (int32_t f = ft->set[set].oldest[queue]; f != NONE; f = ft->newer[f], n++)
+        if (n < max)
+            out[n] = ft->page_of[f];
+    return n;
+}
+
+#define INVARIANT(cond) do { if (!(cond)) return __LINE__; } while (0)
+
+int chm_ft_check(const struct chm_ft *ft)
+{
+    uint32_t resident = 0;
+    INVARIANT(ft->index.count == ft->resident);
+    for (uint32_t set = 0; set < ft->sets; set++) {
+        const struct chm_set *s = &ft->set[set];
+        const uint64_t *bits = ft->free_bits + (size_t)set * ft->words_per_set;
+        uint32_t free_ways = 0, pinned_ways = 0, in_queues = 0;
+        for (uint32_t way = 0; way < ft->ways; way++) {
+            uint32_t f = set * ft->ways + way;
+            int is_free = (int)((bits[way / 64] >> (way % 64)) & 1);
+            INVARIANT(is_free == (ft->page_of[f] == CHM_NO_PAGE));
+            INVARIANT(!is_free || way / 64 >= s->free_hint);
+            free_ways += (uint32_t)is_free;
+            pinned_ways += ft->pins[f] != 0;
+            if (!is_free) {
+                resident++;
+                INVARIANT(ft->page_of[f] % ft->sets == set);
+                INVARIANT(map_get(&ft->index, ft->page_of[f]) == (int32_t)f);
+                if (ft->policy.kind == CHM_POLICY_S3FIFO)
+                    INVARIANT(map_get(&ft->ghost_index, ft->page_of[f]) < 0);
+            }
+        }
+        INVARIANT(free_ways == s->free_ways && pinned_ways == s->pinned_ways);
+        for (int q = 0; q < QUEUES; q++) {
+            uint32_t len = 0;
+            int32_t prev = NONE;
+            for (int32_t f = s->oldest[q]; f != NONE; prev = f, f = ft->newer[f]) {
+                INVARIANT(len < ft->ways && set_of_frame(ft, (uint32_t)f) == set);
+                INVARIANT(ft->page_of[f] != CHM_NO_PAGE && ft->older[f] == prev && ft->queue_of[f] == q);
+                INVARIANT(s->hand != f || ft->policy.kind == CHM_POLICY_SIEVE);
+                len++;
+            }
+            INVARIANT(prev == s->newest[q] && len == s->len[q]);
+            in_queues += len;
+        }
+        if (ft->policy.kind != CHM_POLICY_EXTERNAL)
+            INVARIANT(in_queues == ft->ways - free_ways);
+        INVARIANT(s->hand == NONE || (ft->page_of[s->hand] != CHM_NO_PAGE && set_of_frame(ft, (uint32_t)s->hand) == set));
+        if (ft->policy.kind == CHM_POLICY_S3FIFO) {
+            uint32_t len = 0, spare = 0;
+            for (int32_t g = s->ghost_oldest; g != NONE; g = ft->ghost_newer[g]) {
+                INVARIANT(len < ft->info.ghost_capacity && g >= ghost_node_base(ft, s));
+                INVARIANT(map_get(&ft->ghost_index, ft->ghost_page[g]) == g);
+                len++;
+            }
+            for (int32_t g = s->ghost_free; g != NONE; g = ft->ghost_newer[g])
+                INVARIANT(++spare <= ft->info.ghost_capacity);
+            INVARIANT(len == s->ghost_len && len + spare == ft->info.ghost_capacity);
+        }
+    }
+    INVARIANT(resident == ft->resident);
+    return 0;
+}
+
+/* ---- the prefetch engine ---- */
+
+struct pf_slot {
+    struct chm_pf_object obj;
+    int32_t older, newer;  /* held objects in issue order; a free slot: newer is the next free one */
+};
+
+struct pf_fetch {          /* an issued object's page fetches not yet taken */
+    int64_t handle;
+    uint64_t next_page, end_page;
+};
+
+struct chm_pf {
+    uint64_t window_pages, pages_held;
+    uint32_t max_handles, objects;
+    struct pf_slot *slots;  /* grown on demand up to max_handles */
+    uint32_t slot_count;
+    int32_t free_slot, oldest, newest;
+    struct chm_map by_handle;  /* handle -> slot */
+    struct pf_fetch *fetches;  /* a ring, grown on demand */
+    uint64_t fetch_cap, fetch_head, fetch_len;
+};
+
+int chm_pf_new(uint64_t window_pages, uint32_t max_handles, struct chm_pf **out)
+{
+    if (max_handles > (uint32_t)INT32_MAX)
+        return CHM_E_ARG;
+    struct chm_pf *pf = calloc(1, sizeof *pf);
+    if (!pf)
+        return CHM_E_NOMEM;
+    pf->window_pages = window_pages;
+    pf->max_handles = max_handles;
+    pf->free_slot = pf->oldest = pf->newest = NONE;
+    int rc = map_init(&pf->by_handle, MAP_MIN_SLOTS / 2);
+    if (rc) {
+        free(pf);
+        return rc;
+    }
+    *out = pf;
+    return CHM_OK;
+}
+
+void chm_pf_free(struct chm_pf *pf)
+{
+    if (!pf)
+        return;
+    free(pf->slots);
+    free(pf->fetches);
+    map_destroy(&pf->by_handle);
+    free(pf);
+}
+
+static int32_t pf_new_slot(struct chm_pf *pf)
+{
+    if (pf->free_slot == NONE) {
+        uint32_t count = pf->slot_count ? 2 * pf->slot_count : 8;
+        if (count > pf->max_handles)
+            count = pf->max_handles;
+        struct pf_slot *slots = realloc(pf->slots, (size_t)count * sizeof *slots);
+        if (!slots)
+            return NONE;
+        pf->slots = slots;
+        for (uint32_t i = count; i-- > pf->slot_count;) {
+            slots[i].newer = pf->free_slot;
+            pf->free_slot = (int32_t)i;
+        }
+        pf->slot_count = count;
+    }
+    int32_t i = pf->free_slot;
+    pf->free_slot = pf->slots[i].newer;
+    return i;
+}
+
+static int pf_queue_fetches(struct chm_pf *pf, int64_t handle, uint64_t first_page, uint64_t pages)
+{
+    if (pf->fetch_len == pf->fetch_cap) {
+        uint64_t cap = pf->fetch_cap ? 2 * pf->fetch_cap : 16;
+        struct pf_fetch *ring = malloc(cap * sizeof *ring);
+        if (!ring)
+            return CHM_E_NOMEM;
+        for (uint64_t i = 0; i < pf->fetch_len; i++)
+            ring[i] = pf->fetches[(pf->fetch_head + i) % pf->fetch_cap];
+        free(pf->fetches);
+        pf->fetches = ring;
+        pf->fetch_cap = cap;
+        pf->fetch_head = 0;
+    }
+    struct pf_fetch *f = &pf->fetches[(pf->fetch_head + pf->fetch_len) % pf->fetch_cap];
+    f->handle = handle;
+    f->next_page = first_page;
+    f->end_page = first_page + pages;
+    pf->fetch_len++;
+    return CHM_OK;
+}
+
+int chm_pf_issue(struct chm_pf *pf, int64_t handle, uint64_t first_page, uint64_t pages)
+{
+    if (map_get(&pf->by_handle, (uint64_t)handle) >= 0)
+        return CHM_PF_HANDLE_IN_USE;
+    if (pages > pf->window_pages)
+        return CHM_PF_NEVER_FITS;
+    if (pf->objects >= pf->max_handles)
+        return CHM_PF_NO_HANDLE;
+#if CHM_MUTATION == CHM_MUTATION_PREFETCH_WINDOW
+    if (pf->pages_held + pages >= pf->window_pages)
+#else
+    if (pf->pages_held + pages > pf->window_pages)
+#endif
+        return CHM_PF_WINDOW_FULL;
+    if (first_page > UINT64_MAX - pages)
+        return CHM_E_ARG;
+    if (map_reserve_one(&pf->by_handle) || (pages && pf_queue_fetches(pf, handle, first_page, pages)))
+        return CHM_E_NOMEM;
+    int32_t i = pf_new_slot(pf);
+    if (i == NONE) {
+        if (pages)
+            pf->fetch_len--;  /* take back the fetches just queued */
+        return CHM_E_NOMEM;
+    }
+    struct pf_slot *slot = &pf->slots[i];
+    slot->obj = (struct chm_pf_object){handle, first_page, pages, 0};
+    slot->older = pf->newest;
+    slot->newer = NONE;
+    if (pf->newest == NONE)
+        pf->oldest = i;
+    else
+        pf->slots[pf->newest].newer = i;
+    pf->newest = i;
+    map_put_new(&pf->by_handle, (uint64_t)handle, i);
+    pf->objects++;
+    pf->pages_held += pages;
+    return CHM_OK;
+}
+
+int chm_pf_next_fetch(struct chm_pf *pf, int64_t *handle, uint64_t *page)
+{
+    if (!pf->fetch_len)
+        return 0;
+    struct pf_fetch *f = &pf->fetches[pf->fetch_head];
+    *handle = f->handle;
+    *page = f->next_page++;
+    if (f->next_page == f->end_page) {
+        pf->fetch_head = (pf->fetch_head + 1) % pf->fetch_cap;
+        pf->fetch_len--;
+    }
+    return 1;
+}
+
+int chm_pf_arrived(struct chm_pf *pf, int64_t handle, uint64_t *arrived)
+{
+    int32_t i = map_get(&pf->by_handle, (uint64_t)handle);
+    if (i < 0)
+        return CHM_PF_UNKNOWN_HANDLE;
+    struct chm_pf_object *obj = &pf->slots[i].obj;
+    if (obj->arrived >= obj->pages)
+        return CHM_PF_TOO_MANY_ARRIVALS;
+    *arrived = ++obj->arrived;
+    return obj->arrived == obj->pages;
+}
+
+int chm_pf_get(const struct chm_pf *pf, int64_t handle, struct chm_pf_object *out)
+{
+    int32_t i = map_get(&pf->by_handle, (uint64_t)handle);
+    if (i < 0)
+        return CHM_PF_UNKNOWN_HANDLE;
+    *out = pf->slots[i].obj;
+    return CHM_OK;
+}
+
+int chm_pf_release(struct chm_pf *pf, int64_t handle, struct chm_pf_object *out)
+{
+    int32_t i = map_get(&pf->by_handle, (uint64_t)handle);
+    if (i < 0)
+        return CHM_PF_UNKNOWN_HANDLE;
+    struct pf_slot *slot = &pf->slots[i];
+    *out = slot->obj;
+    if (slot->older == NONE)
+        pf->oldest = slot->newer;
+    else
+        pf->slots[slot->older].newer = slot->newer;
+    if (slot->newer == NONE)
+        pf->newest = slot->older;
+    else
+        pf->slots[slot->newer].older = slot->older;
+    slot->newer = pf->free_slot;
+    pf->free_slot = i;
+    map_del(&pf->by_handle, (uint64_t)handle);
+    pf->objects--;
+    pf->pages_held -= out->pages;
+    return CHM_OK;
+}
+
+uint64_t chm_pf_pages_held(const struct chm_pf *pf) { return pf->pages_held; }
+uint32_t chm_pf_objects(const struct chm_pf *pf) { return pf->objects; }
+
+uint32_t chm_pf_handles(const struct chm_pf *pf, int64_t *out, uint32_t max)
+{
+    uint32_t n = 0;
+    for (int32_t i = pf->oldest; i != NONE && n < max; i = pf->slots[i].newer)
+        out[n++] = pf->slots[i].obj.handle;
+    return n;
+}
+
+/* ---- write admission ---- */
+
+int chm_admission_admit(struct chm_admission *a, uint64_t pages)
+{
+    uint64_t free_pages = a->capacity_pages - a->used_pages;
+#if CHM_MUTATION == CHM_MUTATION_EXACT_FIT
+    if (pages >= free_pages)
+#else
+    if (pages > free_pages)
+#endif
+        return 0;
+    a->used_pages += pages;
+    return 1;
+}
+
+int chm_admission_release(struct chm_admission *a, uint64_t pages)
+{
+    if (pages > a->used_pages)
+        return CHM_E_ARG;
+    a->used_pages -= pages;
+    return CHM_OK;
+}

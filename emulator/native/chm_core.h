@@ -1,0 +1,168 @@
+/* The device model's native core: the DRAM frame table with the built-in
+ * eviction structures, the prefetch engine's window and handle accounting,
+ * and write admission.
+ *
+ * One implementation: the emulator (live serving, replay) and the RTL
+ * lockstep benches reach it through cffi (emulator/native_build.py cuts the
+ * text between the cdef markers out of this header, so every constant and
+ * struct below is defined once, here). The decisions are specified in
+ * emulator/frame_table.py, emulator/prefetch.py and emulator/write_buffer.py.
+ */
+#ifndef CHM_CORE_H
+#define CHM_CORE_H
+
+#include <stdint.h>
+
+/* ---- cdef begin ---- */
+
+/* Status codes. >= 0: a decision; < 0: a call that breaks the contract (nothing changed). */
+#define CHM_OK 0
+#define CHM_ALL_PINNED 1        /* every way of the page's set is pinned: no frame for it */
+#define CHM_NEEDS_VICTIM 2      /* CHM_POLICY_EXTERNAL and the set is full: the caller names the victim */
+#define CHM_E_FRAME -1          /* frame (or set) out of range */
+#define CHM_E_EMPTY -2          /* the frame holds no page */
+#define CHM_E_PINNED -3         /* the frame is pinned */
+#define CHM_E_NOT_PINNED -4     /* unpin of a frame that is not pinned */
+#define CHM_E_RESIDENT -5       /* insert of a page that is already resident */
+#define CHM_E_OTHER_SET -6      /* the named victim is not in the incoming page's set */
+#define CHM_E_NOMEM -7
+#define CHM_E_ARG -8            /* a bad size or parameter */
+#define CHM_E_INTERNAL -9       /* an invariant broke (a bug here): see chm_ft_check */
+#define CHM_E_PIN_LIMIT -10     /* the frame's pin counter is full */
+
+#define CHM_NO_PAGE 0xffffffffffffffff  /* "no page": an empty frame, no victim */
+
+/* Eviction policies (emulator/policies/<name>.py documents each one's decisions). */
+#define CHM_POLICY_EXTERNAL 0   /* a Python plug-in chooses the victims; the table keeps the rest */
+#define CHM_POLICY_LRU 1
+#define CHM_POLICY_FIFO 2
+#define CHM_POLICY_CLOCK 3
+#define CHM_POLICY_SIEVE 4
+#define CHM_POLICY_S3FIFO 5
+
+/* Queues of a set, for chm_ft_queue: every policy keeps its pages in CHM_QUEUE_MAIN; S3-FIFO also
+ * in CHM_QUEUE_SMALL. */
+#define CHM_QUEUE_MAIN 0
+#define CHM_QUEUE_SMALL 1
+
+/* Test-only builds (tests/rtl_model/test_native_mutations.py): -DCHM_MUTATION=<one of these> plants
+ * one wrong decision, which the RTL lockstep benches must catch. */
+#define CHM_MUTATION_NONE 0
+#define CHM_MUTATION_LRU_RANK 1         /* LRU's victim is the most recently used unpinned way */
+#define CHM_MUTATION_PREFETCH_WINDOW 2  /* an object that fills the prefetch window exactly is refused */
+#define CHM_MUTATION_EXACT_FIT 3        /* a write that fits the write buffer exactly is refused */
+
+struct chm_policy_params {
+    uint32_t kind;                  /* CHM_POLICY_* */
+    uint32_t n_bit_counter;         /* clock: bits of each page's reference counter (1..8) */
+    double small_size_ratio;        /* s3fifo: share of the ways in the small queue */
+    double ghost_size_ratio;        /* s3fifo: ghost length as a share of the ways */
+    uint32_t move_to_main_threshold;/* s3fifo: hits in the small queue that move a page to the main queue */
+};
+
+/* The sizes a set's policy derived from its parameters (libCacheSim's integer parts). */
+struct chm_policy_info {
+    uint32_t max_freq;              /* clock: 2**n_bit_counter - 1 */
+    uint32_t small_capacity;        /* s3fifo */
+    uint32_t main_capacity;
+    uint32_t ghost_capacity;
+    uint32_t threshold;
+};
+
+/* What one access or insert did. */
+struct chm_access {
+    uint64_t victim_page;           /* the page evicted to make room, or CHM_NO_PAGE */
+    uint32_t frame;                 /* the page's frame */
+    uint8_t hit;                    /* the page was resident (lookup_or_insert, access_many) */
+    uint8_t victim_dirty;
+};
+
+/* What chm_ft_access_many did, over the accesses it made. */
+struct chm_access_counts {
+    uint64_t accesses;              /* made; fewer than asked when it stopped on a status */
+    uint64_t hits;
+    uint64_t misses;
+    uint64_t evictions;
+    uint64_t dirty_evictions;
+};
+
+struct chm_ft;                      /* a frame table: sets of ways, page index, pins, dirty bits, eviction state */
+
+int chm_core_mutation(void);        /* the CHM_MUTATION_* this build plants (CHM_MUTATION_NONE) */
+/* The sizes a policy derives for a set of `ways` ways; CHM_E_ARG for parameters it cannot work with. */
+int chm_policy_info(uint32_t ways, const struct chm_policy_params *policy, struct chm_policy_info *out);
+
+int  chm_ft_new(uint32_t frames, uint32_t ways, const struct chm_policy_params *policy, struct chm_ft **out);
+void chm_ft_free(struct chm_ft *ft);
+/* Per-frame state, frames long, owned by the table (read it; change it through the calls below). */
+uint64_t *chm_ft_page_of(struct chm_ft *ft);   /* its page, or CHM_NO_PAGE */
+uint8_t  *chm_ft_dirty(struct chm_ft *ft);
+uint32_t *chm_ft_pins(struct chm_ft *ft);
+uint32_t chm_ft_resident(const struct chm_ft *ft);
+int64_t  chm_ft_free_ways(const struct chm_ft *ft, uint32_t set);
+int64_t  chm_ft_pinned_ways(const struct chm_ft *ft, uint32_t set);  /* frames with a pin count */
+
+int64_t chm_ft_lookup(const struct chm_ft *ft, uint64_t page);  /* its frame, or -1; changes nothing */
+int chm_ft_touch(struct chm_ft *ft, uint32_t frame);            /* a hit on the frame's page */
+int chm_ft_insert(struct chm_ft *ft, uint64_t page, struct chm_access *out);
+int chm_ft_insert_replacing(struct chm_ft *ft, uint64_t page, uint32_t victim_frame, struct chm_access *out);
+int chm_ft_lookup_or_insert(struct chm_ft *ft, uint64_t page, struct chm_access *out);
+/* Each page in turn: lookup_or_insert, then mark the frame dirty where writes[i] (writes may be NULL);
+ * hit_out[i] (may be NULL) gets 1 for a hit. Stops at the first status other than CHM_OK. */
+int chm_ft_access_many(struct chm_ft *ft, const uint64_t *pages, const uint8_t *writes, uint64_t n,
+                       uint8_t *hit_out, struct chm_access_counts *counts);
+int64_t chm_ft_victim(struct chm_ft *ft, uint64_t page);        /* the frame insert(page) would evict, or -1 */
+int64_t chm_ft_to_evict(struct chm_ft *ft, uint32_t set);       /* the set's next victim (changes nothing), or -1 */
+/* The op table's evict on its own: the set's victim leaves (its frame free), to make room for `incoming`
+ * (a page of the set, not resident; CHM_NO_PAGE: none). CHM_ALL_PINNED: no unpinned page to take. */
+int chm_ft_evict(struct chm_ft *ft, uint32_t set, uint64_t incoming, struct chm_access *out);
+int chm_ft_invalidate(struct chm_ft *ft, uint32_t frame);
+int chm_ft_mark_dirty(struct chm_ft *ft, uint32_t frame);
+int chm_ft_clear_dirty(struct chm_ft *ft, uint32_t frame);
+int chm_ft_pin(struct chm_ft *ft, uint32_t frame);
+int chm_ft_unpin(struct chm_ft *ft, uint32_t frame);
+int chm_ft_page_pinned(const struct chm_ft *ft, uint64_t page); /* 1: resident and pinned */
+/* The pages of one queue of a set, oldest (next under the hand) first; returns how many there are. */
+uint32_t chm_ft_queue(const struct chm_ft *ft, uint32_t set, uint32_t queue, uint64_t *out, uint32_t max);
+int chm_ft_check(const struct chm_ft *ft);                      /* 0, or the line of the first broken invariant */
+
+/* The prefetch engine: a window of staging pages and a number of handles. */
+#define CHM_PF_HANDLE_IN_USE 1      /* EINVAL */
+#define CHM_PF_NEVER_FITS 2         /* EINVAL: more pages than the whole window */
+#define CHM_PF_NO_HANDLE 3          /* EBUSY: every handle is held */
+#define CHM_PF_WINDOW_FULL 4        /* EBUSY */
+#define CHM_PF_UNKNOWN_HANDLE 5     /* EINVAL: never issued, or released */
+#define CHM_PF_TOO_MANY_ARRIVALS 6  /* more arrivals than pages */
+
+struct chm_pf_object {
+    int64_t handle;
+    uint64_t first_page;
+    uint64_t pages;
+    uint64_t arrived;
+};
+
+struct chm_pf;
+
+int  chm_pf_new(uint64_t window_pages, uint32_t max_handles, struct chm_pf **out);
+void chm_pf_free(struct chm_pf *pf);
+int  chm_pf_issue(struct chm_pf *pf, int64_t handle, uint64_t first_page, uint64_t pages);
+int  chm_pf_next_fetch(struct chm_pf *pf, int64_t *handle, uint64_t *page);  /* 1: a fetch; 0: none queued */
+int  chm_pf_arrived(struct chm_pf *pf, int64_t handle, uint64_t *arrived);   /* 1: now ready, 0: not yet */
+int  chm_pf_get(const struct chm_pf *pf, int64_t handle, struct chm_pf_object *out);
+int  chm_pf_release(struct chm_pf *pf, int64_t handle, struct chm_pf_object *out);
+uint64_t chm_pf_pages_held(const struct chm_pf *pf);
+uint32_t chm_pf_objects(const struct chm_pf *pf);
+uint32_t chm_pf_handles(const struct chm_pf *pf, int64_t *out, uint32_t max);  /* held handles, issue order */
+
+/* Write admission: all-or-nothing check-and-reserve of write-buffer pages. */
+struct chm_admission {
+    uint64_t capacity_pages;
+    uint64_t used_pages;
+};
+
+int chm_admission_admit(struct chm_admission *a, uint64_t pages);    /* 1: reserved; 0: refused */
+int chm_admission_release(struct chm_admission *a, uint64_t pages);  /* CHM_OK, or CHM_E_ARG: more than reserved */
+
+/* ---- cdef end ---- */
+
+#endif

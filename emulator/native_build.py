@@ -1,0 +1,76 @@
+"""cffi (API mode) build of the native core, ``emulator/native/chm_core.{h,c}``.
+
+The cdef is cut out of the header (between its cdef markers), so every
+constant, struct and signature is written once, in C. The module's name
+carries a digest of the sources and flags (``emulator._chm_core_<digest>``):
+a process never loads a module built from other sources, and a changed
+source builds a new module on first import. Built by ``make`` (``python -m
+emulator.native``) and, failing that, on first import of
+:mod:`emulator.native`.
+
+Test-only variants (``mutation="LRU_RANK"``, a ``CHM_MUTATION_*`` name of the
+header) compile one planted wrong decision in, as a module of their own:
+``tests/rtl_model/test_native_mutations.py`` checks the RTL benches catch it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import cffi
+
+HERE = Path(__file__).resolve().parent
+NATIVE = HERE / "native"
+HEADER = NATIVE / "chm_core.h"
+SOURCE = NATIVE / "chm_core.c"
+PACKAGE = "emulator"
+CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"]
+MUTATION_ENV = "CHM_CORE_MUTATION"  # tests only: emulator.native loads the variant this names
+
+
+def cdef_of(header: Path) -> str:
+    """The cffi-parsable part of a header: the text between its cdef markers."""
+    text = header.read_text()
+    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
+    return text[text.index(begin) + len(begin): text.index(end)]
+
+
+def module_name(mutation: str | None = None) -> str:
+    """``emulator._chm_core_<digest of sources and flags>``, with ``_<mutation>`` for a test variant."""
+    digest = hashlib.sha256()
+    for part in (HEADER.read_bytes(), SOURCE.read_bytes(), " ".join(CFLAGS).encode()):
+        digest.update(part)
+    name = f"{PACKAGE}._chm_core_{digest.hexdigest()[:12]}"
+    return f"{name}_{mutation.lower()}" if mutation else name
+
+
+def make_ffi(mutation: str | None = None) -> cffi.FFI:
+    ffi = cffi.FFI()
+    ffi.cdef(cdef_of(HEADER))
+    macros = [("CHM_MUTATION", f"CHM_MUTATION_{mutation.upper()}")] if mutation else []
+    ffi.set_source(module_name(mutation), '#include "chm_core.h"', sources=[str(SOURCE)],
+                   include_dirs=[str(NATIVE)], define_macros=macros, extra_compile_args=CFLAGS)
+    return ffi
+
+
+def build(mutation: str | None = None) -> Path:
+    """Compile in a scratch folder and move the module into ``emulator/`` (one rename: a concurrent
+    import sees the whole module or none). Returns its path."""
+    with tempfile.TemporaryDirectory(prefix="chm_core_build_") as scratch:
+        built = Path(make_ffi(mutation).compile(tmpdir=scratch, verbose=False))
+        target = HERE / built.name
+        staged = HERE / f".{os.getpid()}.{built.name}"  # a *.so: ignored by git if left behind
+        shutil.copyfile(built, staged)
+        os.replace(staged, target)
+    return target
+
+
+def stale_modules() -> list[Path]:
+    """Modules built from earlier sources (``make`` removes them)."""
+    current = module_name().rsplit(".", 1)[1]
+    return [p for p in HERE.glob("_chm_core_*.so") if not p.name.startswith(current)]
+

@@ -1,0 +1,233 @@
+/* Random calls of every function of the native core (emulator/native/chm_core.h), legal or not, with the
+ * frame table's invariants (chm_ft_check) and the prefetch and admission counts checked after each call.
+ * Built with -fsanitize=address,undefined by tests/emulator/test_native_core.py: an out-of-bounds access,
+ * a leak or undefined behaviour fails it too. Prints "all invariants held" and exits 0, or names the failure.
+ */
+#include "chm_core.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FAIL(...) do { printf(__VA_ARGS__); printf("\n"); exit(1); } while (0)
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+
+static uint64_t rnd(uint64_t n)  /* uniform-ish in [0, n); xorshift64 */
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return n ? rng % n : 0;
+}
+
+static void check_table(const struct chm_ft *ft, const char *name, long step, int rc)
+{
+    if (rc == CHM_E_INTERNAL || rc == CHM_E_NOMEM)
+        FAIL("%s, step %ld: status %d", name, step, rc);
+    int line = chm_ft_check(ft);
+    if (line)
+        FAIL("%s, step %ld: the invariant at chm_core.c line %d is broken", name, step, line);
+}
+
+/* The caller's victim for an external policy: an unpinned way of the page's set, from a random start. */
+static int insert_external(struct chm_ft *ft, uint64_t page, uint32_t sets, uint32_t ways, struct chm_access *a)
+{
+    const uint32_t *pins = chm_ft_pins(ft);
+    uint32_t set = (uint32_t)(page % sets), start = (uint32_t)rnd(ways);
+    for (uint32_t k = 0; k < ways; k++) {
+        uint32_t f = set * ways + (start + k) % ways;
+        if (!pins[f])
+            return chm_ft_insert_replacing(ft, page, f, a);
+    }
+    return CHM_ALL_PINNED;
+}
+
+static void stress_table(const char *name, uint32_t frames, uint32_t ways, struct chm_policy_params policy,
+                         long steps, uint64_t page_space)
+{
+    struct chm_ft *ft;
+    if (chm_ft_new(frames, ways, &policy, &ft))
+        FAIL("chm_ft_new(%s, %u frames, %u ways) failed", name, frames, ways);
+    uint32_t sets = frames / ways;
+    uint64_t *queue = malloc(ways * sizeof *queue);
+    uint64_t batch[16];
+    uint8_t writes[16], hits[16];
+    struct chm_access a;
+    struct chm_access_counts counts;
+    for (long i = 0; i < steps; i++) {
+        uint64_t page = rnd(page_space);
+        uint32_t frame = (uint32_t)rnd(frames + 2);  /* now and then out of range */
+        uint32_t set = (uint32_t)rnd(sets + 1);
+        int rc = CHM_OK;
+        switch (rnd(15)) {
+        case 0: case 1: case 2:
+            rc = chm_ft_lookup_or_insert(ft, page, &a);
+            if (rc == CHM_NEEDS_VICTIM)
+                rc = insert_external(ft, page, sets, ways, &a);
+            break;
+        case 3:
+            rc = chm_ft_insert(ft, page, &a);
+            break;
+        case 4:
+            rc = chm_ft_touch(ft, frame);
+            break;
+        case 5:
+            rc = chm_ft_invalidate(ft, frame);
+            break;
+        case 6: case 7:
+            rc = chm_ft_pin(ft, frame);
+            break;
+        case 8: case 9:
+            rc = chm_ft_unpin(ft, frame);
+            break;
+        case 10:
+            rc = rnd(2) ? chm_ft_mark_dirty(ft, frame) : chm_ft_clear_dirty(ft, frame);
+            break;
+        case 11:
+            chm_ft_victim(ft, page);
+            chm_ft_to_evict(ft, set);
+            break;
+        case 12:
+            rc = chm_ft_evict(ft, set, rnd(2) ? page : CHM_NO_PAGE, &a);
+            break;
+        case 13:
+            for (int k = 0; k < 16; k++) {
+                batch[k] = rnd(page_space);
+                writes[k] = (uint8_t)rnd(2);
+            }
+            rc = chm_ft_access_many(ft, batch, rnd(2) ? writes : NULL, 1 + rnd(16), rnd(2) ? hits : NULL, &counts);
+            if (counts.hits + counts.misses != counts.accesses)
+                FAIL("%s, step %ld: access_many counted %lu accesses, %lu hits, %lu misses", name, i,
+                     (unsigned long)counts.accesses, (unsigned long)counts.hits, (unsigned long)counts.misses);
+            break;
+        default:
+            chm_ft_queue(ft, set, (uint32_t)rnd(3), queue, (uint32_t)rnd(ways + 1));
+            chm_ft_page_pinned(ft, page);
+            chm_ft_free_ways(ft, set);
+            chm_ft_pinned_ways(ft, set);
+        }
+        check_table(ft, name, i, rc);
+    }
+    free(queue);
+    chm_ft_free(ft);
+}
+
+static void stress_prefetch(uint64_t window, uint32_t max_handles, long steps)
+{
+    enum { HANDLES = 12 };
+    struct chm_pf *pf;
+    if (chm_pf_new(window, max_handles, &pf))
+        FAIL("chm_pf_new(%lu, %u) failed", (unsigned long)window, max_handles);
+    uint64_t pages_of[HANDLES] = {0}, arrived_of[HANDLES] = {0}, held = 0, queued = 0;
+    int is_held[HANDLES] = {0};
+    uint32_t objects = 0;
+    struct chm_pf_object obj;
+    int64_t handles[HANDLES], h;
+    uint64_t page, arrived;
+    for (long i = 0; i < steps; i++) {
+        int64_t handle = (int64_t)rnd(HANDLES);
+        uint64_t pages = rnd(window + 2);
+        int rc;
+        switch (rnd(5)) {
+        case 0: {
+            int want = is_held[handle] ? CHM_PF_HANDLE_IN_USE : pages > window ? CHM_PF_NEVER_FITS
+                       : objects >= max_handles ? CHM_PF_NO_HANDLE : held + pages > window ? CHM_PF_WINDOW_FULL : CHM_OK;
+            rc = chm_pf_issue(pf, handle, rnd(1000), pages);
+            if (rc != want)
+                FAIL("prefetch step %ld: issue gave %d, expected %d", i, rc, want);
+            if (!rc) {
+                is_held[handle] = 1;
+                pages_of[handle] = pages;
+                arrived_of[handle] = 0;
+                held += pages;
+                queued += pages;
+                objects++;
+            }
+            break;
+        }
+        case 1:
+            if (chm_pf_next_fetch(pf, &h, &page) != (queued > 0))
+                FAIL("prefetch step %ld: a fetch %s", i, queued ? "missing" : "too many");
+            queued -= queued > 0;
+            break;
+        case 2:
+            rc = chm_pf_arrived(pf, handle, &arrived);
+            if (!is_held[handle] ? rc != CHM_PF_UNKNOWN_HANDLE
+                : arrived_of[handle] == pages_of[handle] ? rc != CHM_PF_TOO_MANY_ARRIVALS
+                : rc != (++arrived_of[handle] == pages_of[handle]) || arrived != arrived_of[handle])
+                FAIL("prefetch step %ld: arrived gave %d", i, rc);
+            break;
+        case 3:
+            rc = chm_pf_release(pf, handle, &obj);
+            if (rc != (is_held[handle] ? CHM_OK : CHM_PF_UNKNOWN_HANDLE))
+                FAIL("prefetch step %ld: release gave %d", i, rc);
+            if (!rc) {
+                is_held[handle] = 0;
+                held -= obj.pages;
+                objects--;
+            }
+            break;
+        default:
+            rc = chm_pf_get(pf, handle, &obj);
+            if (rc != (is_held[handle] ? CHM_OK : CHM_PF_UNKNOWN_HANDLE)
+                || (!rc && (obj.pages != pages_of[handle] || obj.arrived != arrived_of[handle])))
+                FAIL("prefetch step %ld: get gave %d", i, rc);
+        }
+        if (chm_pf_pages_held(pf) != held || chm_pf_objects(pf) != objects
+            || chm_pf_handles(pf, handles, HANDLES) != objects)
+            FAIL("prefetch step %ld: %lu pages in %u objects held, expected %lu in %u", i,
+                 (unsigned long)chm_pf_pages_held(pf), chm_pf_objects(pf), (unsigned long)held, objects);
+    }
+    chm_pf_free(pf);
+}
+
+static void stress_admission(uint64_t capacity, long steps)
+{
+    struct chm_admission adm = {capacity, 0};
+    for (long i = 0; i < steps; i++) {
+        uint64_t pages = rnd(capacity + 3), before = adm.used_pages;
+        if (rnd(2)) {
+            int admitted = chm_admission_admit(&adm, pages);
+            if (admitted != (pages <= capacity - before) || adm.used_pages != before + (admitted ? pages : 0))
+                FAIL("admission step %ld: admit(%lu) with %lu of %lu used", i, (unsigned long)pages,
+                     (unsigned long)before, (unsigned long)capacity);
+        } else if (chm_admission_release(&adm, pages) != (pages <= before ? CHM_OK : CHM_E_ARG)) {
+            FAIL("admission step %ld: release(%lu) with %lu used", i, (unsigned long)pages, (unsigned long)before);
+        }
+    }
+}
+
+int main(void)
+{
+    static const struct { const char *name; struct chm_policy_params policy; } policies[] = {
+        {"external", {CHM_POLICY_EXTERNAL, 0, 0, 0, 0}},
+        {"lru", {CHM_POLICY_LRU, 0, 0, 0, 0}},
+        {"fifo", {CHM_POLICY_FIFO, 0, 0, 0, 0}},
+        {"clock", {CHM_POLICY_CLOCK, 2, 0, 0, 0}},
+        {"sieve", {CHM_POLICY_SIEVE, 0, 0, 0, 0}},
+        {"s3fifo", {CHM_POLICY_S3FIFO, 0, 0.1, 0.9, 2}},
+        {"s3fifo-big-ghost", {CHM_POLICY_S3FIFO, 0, 0.3, 4.0, 1}},
+        {"s3fifo-no-ghost", {CHM_POLICY_S3FIFO, 0, 0.5, 0.0, 3}},
+    };
+    static const struct { uint32_t frames, ways; } geometries[] = {{1, 1}, {8, 8}, {16, 4}, {96, 8}, {130, 65}, {200, 200}};
+    for (size_t p = 0; p < sizeof policies / sizeof *policies; p++) {
+        for (size_t g = 0; g < sizeof geometries / sizeof *geometries; g++) {
+            uint32_t frames = geometries[g].frames;
+            stress_table(policies[p].name, frames, geometries[g].ways, policies[p].policy, 6000, 3 * frames);
+        }
+        /* sparse page numbers, across the whole range: the page index's probing and deletion */
+        stress_table(policies[p].name, 512, 512, policies[p].policy, 20000, UINT64_MAX - 1);
+    }
+    struct chm_ft *ft;
+    struct chm_policy_params bad = {CHM_POLICY_CLOCK, 0, 0, 0, 0};
+    if (chm_ft_new(8, 3, &policies[1].policy, &ft) != CHM_E_ARG || chm_ft_new(8, 8, &bad, &ft) != CHM_E_ARG)
+        FAIL("a bad geometry or policy was accepted");
+    stress_prefetch(4, 2, 20000);
+    stress_prefetch(40, 8, 20000);
+    stress_prefetch(0, 1, 2000);
+    stress_admission(13, 20000);
+    stress_admission(0, 1000);
+    printf("all invariants held\n");
+    return 0;
+}
