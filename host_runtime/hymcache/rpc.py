@@ -165,8 +165,8 @@ class RpcClient:
              frames: bool = False) -> Any:
         """``method(*args)`` on the server; its result (and, with ``frames``, the reply's raw frames)."""
         call_id = next(self._ids).to_bytes(8, "little")
-        self.sock.send_multipart([call_id, _encode((method, list(args))), *(payload or ())], copy=False)
         wait_ms = int(1000 * (self.timeout_s if timeout_s is None else timeout_s))
+        self._send(method, [call_id, _encode((method, list(args))), *(payload or ())], wait_ms)
         while True:
             if not self.sock.poll(wait_ms):
                 raise RpcTimeout(f"{method} to {self.endpoint}: no answer within {wait_ms} ms")
@@ -182,7 +182,17 @@ class RpcClient:
         """``method(*args)`` on the server without waiting: for calls whose outcome the caller does not need.
         Its answer is dropped when a later ``call`` reads past it, as a timed-out call's is."""
         call_id = next(self._ids).to_bytes(8, "little")
-        self.sock.send_multipart([call_id, _encode((method, list(args)))], copy=False)
+        self._send(method, [call_id, _encode((method, list(args)))], int(1000 * self.timeout_s))
+
+    def _send(self, method: str, frames: list, wait_ms: int) -> None:
+        """Send within ``wait_ms``: with no connection to hand a message to (the server never reached, or its
+        CurveZMQ handshake refused us) a DEALER's send would block for ever."""
+        self.sock.sndtimeo = wait_ms
+        try:
+            self.sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise RpcTimeout(f"{method} to {self.endpoint}: not sent within {wait_ms} ms (no connection to the "
+                             "server: down, unreachable, or refusing our CurveZMQ keys)") from None
 
     def close(self) -> None:
         self.sock.close(0)

@@ -121,3 +121,37 @@ def test_bad_timeout_is_refused():
     with pytest.raises(ChmError) as exc:
         RpcClient("tcp://127.0.0.1:1", 0)
     assert exc.value.errno == errno.EINVAL and "timeout_s" in str(exc.value)
+
+
+def test_a_client_without_the_servers_curve_keys_times_out_and_never_hangs(tmp_path):
+    from host_runtime.hymcache.rpc import make_curve_keys
+
+    keys = str(tmp_path / "keys")
+    make_curve_keys(keys)
+    srv = RpcServer(Target(), ["add"], "tcp://127.0.0.1:0", curve_keys=keys)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    outcomes = []
+
+    def calls():
+        with RpcClient(srv.endpoint, 0.3) as c:  # no keys: the handshake is refused
+            for _ in range(5):
+                try:
+                    c.call("add", 1, 2)
+                    outcomes.append("answered")
+                except RpcTimeout as exc:
+                    outcomes.append(exc.errno)
+            c.post("add", 1, 2)  # nor does a posted call block
+            outcomes.append("posted")
+
+    try:
+        caller = threading.Thread(target=calls, daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), f"a call blocked: {outcomes}"
+        assert outcomes[:5] == [errno.ETIMEDOUT] * 5
+        with RpcClient(srv.endpoint, 5, curve_keys=keys) as c:  # with the keys it answers
+            assert c.call("add", 1, 2) == 3
+    finally:
+        srv.stop()
+        thread.join(5)
