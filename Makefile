@@ -48,6 +48,7 @@ PREFIX ?= /usr/local
 libchm: $(STAMP)
 	$(MAKE) -s -C libchm
 	$(PY) -m driver.wire_build
+	$(PY) -m emulator.serve.srv_build
 	$(PY) -m libchm.ffi_build
 
 # Header, library and pkg-config file under $(PREFIX) (e.g. make install PREFIX=$$HOME/.local).
@@ -72,4 +73,4 @@ repro: setup
 	$(PY) -m bench.repro_hymcache $(REPRO)
 
 clean:
-	rm -rf $(VENV) .apt-stamp emulator/_uring* emulator/_chm_core_* build *.egg-info driver/_wire* libchm/_chm* libchm/build
+	rm -rf $(VENV) .apt-stamp emulator/_uring* emulator/_chm_core_* build *.egg-info driver/_wire* emulator/serve/_srv* libchm/_chm* libchm/build

@@ -4,7 +4,7 @@ The victim (C, through libchm: bench_libchm.c's ``lat`` mode) times 4 KiB
 reads alone, then with a second client beside it reading 512 MiB at a time
 in a loop; rounds alternate (alone, beside, alone, ...) and the figures are
 medians over rounds. The device serves large reads in pieces round-robin
-with other clients (driver/server.py, CHUNK_BYTES), so beside the big
+with other clients (emulator/serve/server.py, CHUNK_BYTES), so beside the big
 reader the victim waits for at most one piece, not a whole 512 MiB read
 (before that change: p50 373 ms beside it, 7 us alone).
 
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_libchm import LIBCHM, HERE, _run_json, _Serve
-from driver.server import CHUNK_BYTES
+from emulator.serve.server import CHUNK_BYTES
 
 BIG_READ = 512 << 20
 

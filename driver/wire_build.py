@@ -1,5 +1,6 @@
 """cffi (API mode) build of ``driver._wire``: the wire structs of
-``include/chm_wire.h`` and the server's ring helpers (``src/chm_srv.c``).
+``include/chm_wire.h`` (the device side builds its ring helpers on the same cdef:
+``emulator/serve/srv_build.py``).
 
 The cdef is cut out of the headers themselves (between the "cdef" markers),
 so the layout is written once, in C; the C compiler checks it when this
@@ -44,9 +45,7 @@ def cdef_of(header: Path) -> str:
 def make_ffi() -> cffi.FFI:
     ffi = cffi.FFI()
     ffi.cdef(cdef_of(INCLUDE / "chm_wire.h"))
-    ffi.cdef(cdef_of(INCLUDE / "chm_srv.h"))
-    # The helpers' source is compiled inline: no object files land in the tree.
-    ffi.set_source(MODULE, (HERE / "src" / "chm_srv.c").read_text(), include_dirs=[str(INCLUDE)], extra_compile_args=["-O2", "-Wall", "-std=gnu11"])
+    ffi.set_source(MODULE, '#include "chm_wire.h"', include_dirs=[str(INCLUDE)], extra_compile_args=["-O2", "-Wall", "-std=gnu11"])
     return ffi
 
 

@@ -19,6 +19,7 @@ import sys
 from importlib.metadata import entry_points
 
 from .errors import ChmError
+from .units import format_bytes  # noqa: F401  (chm's tools import it from here too)
 
 # the parser of the (innermost) subcommand that parsed the arguments: run() prints its usage and prog
 _PARSER_ATTR = "_chm_parser"
@@ -125,14 +126,6 @@ def float_in(lo: float, hi: float = math.inf, lo_open: bool = False):
     return parse
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def register_info(sub) -> None:
     p = sub.add_parser("info", help="print a profile's modelled hardware",
                        description="Print the modelled hardware of a device profile (shipped name or TOML path).")
@@ -146,7 +139,7 @@ def _info(args) -> int:
     import json
 
     if args.device:  # a running device: the driver reads its node (lazy import: the emulator does not need it)
-        from driver.node_info import print_device_info
+        from emulator.serve.node_info import print_device_info
 
         return print_device_info(args.device, args.json)
 

@@ -15,7 +15,8 @@ import time
 
 from tqdm import tqdm
 
-from .cli import format_bytes, int_at_least
+from .cli import int_at_least
+from .units import format_bytes
 from .device import Device
 from .errors import WriteBufferFull
 

@@ -1,6 +1,6 @@
 /*
  * chm_sync.h -- memory ordering and sleeping on the shared rings, used by
- * both sides of the wire (libchm and the server helpers in driver/src).
+ * both sides of the wire (libchm and the device's ring helpers, emulator/serve/chm_srv.c).
  * Private: not installed.
  */
 #ifndef CHM_SYNC_H

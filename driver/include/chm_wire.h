@@ -2,7 +2,7 @@
  * chm_wire.h -- the one definition of the CXL-HM driver wire.
  *
  * Spoken by libchm (C, includes this file) and by the device process
- * (driver/server.py, which reaches these very structs through the cffi module
+ * (emulator/serve/server.py, which reaches these very structs through the cffi module
  * built by driver/wire_build.py from the text between the "cdef" markers).
  * Nothing else restates this layout.
  *

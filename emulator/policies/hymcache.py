@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..units import format_bytes
 from ..write_buffer import FlushArbiter, WriteAdmission
 from . import register
 from .base import Area, Policy
@@ -34,8 +35,6 @@ class HymCachePolicy(Policy):
 
     @classmethod
     def describe(cls, cfg):
-        from ..cli import format_bytes
-
         page = cfg.device.page_size_bytes
         return (f"{cls.name} (write buffer {format_bytes(cfg.write_buffer_frames * page)}, "
                 f"read staging {format_bytes(cfg.read_staging_frames * page)})")

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from driver.errors import ChmError
-from driver.serve import parse_override
+from emulator.serve.cli import parse_override
 from emulator import cli
 from emulator.cli import UsageError, float_in, int_at_least
 
@@ -437,7 +437,7 @@ class HyMCacheSet:
             for n in range(self.nodes):
                 for d in range(self.devices_per_node):
                     node = self.device_node(n, d)
-                    cmd = [py, "-m", "driver.serve", "--node", node, "--profile", self.profile]
+                    cmd = [py, "-m", "emulator.serve", "--node", node, "--profile", self.profile]
                     if self.media_root:
                         cmd += ["--media", os.path.join(self.media_root, f"node{n}-dev{d}")]
                     for o in self.device_overrides:

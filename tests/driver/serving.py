@@ -43,9 +43,9 @@ class Server:
         self.node = node or unique_node()
         self.media = media
         self.args = args
-        # `python -m driver.serve` is `chm serve` without loading every other subcommand (faster start);
+        # `python -m emulator.serve` is `chm serve` without loading every other subcommand (faster start);
         # tests/driver/test_cli.py runs the `chm` command itself.
-        self.cmd = [sys.executable, "-m", "driver.serve", "--node", self.node, "--media", str(media), *args]
+        self.cmd = [sys.executable, "-m", "emulator.serve", "--node", self.node, "--media", str(media), *args]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         self.banner = ""
         if wait:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver.server import DeviceServer, idle_wall_wait_ns
+from emulator.serve.server import DeviceServer, idle_wall_wait_ns
 from emulator import load_profile
 
 from .serving import unique_node

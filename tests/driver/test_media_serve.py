@@ -16,7 +16,7 @@ from tests.emulator.media_trouble import read_only_dir
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "driver.serve", "--node", unique_node("media"), *args],
+    return subprocess.run([sys.executable, "-m", "emulator.serve", "--node", unique_node("media"), *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 

@@ -20,7 +20,7 @@ from tests.driver.rawclient import RawClient
 from tests.driver.serving import ROOT, Server, unique_node
 
 FLOOD = 150
-MAX_PENDING_ATTACHES = 64  # driver/server.py; restated here as the number this test holds the device to
+MAX_PENDING_ATTACHES = 64  # emulator/serve/server.py; restated here as the number this test holds the device to
 
 
 def flood(sock_path: str, n: int) -> list[socket.socket]:
@@ -136,7 +136,7 @@ def test_a_full_dev_shm_is_a_clean_error(tmp_path):
     script = (
         "mount -t tmpfs -o size=1m tmpfs /dev/shm && "
         "(dd if=/dev/zero of=/dev/shm/fill bs=64k >/dev/null 2>&1; true) && "
-        f'"$0" -m driver.serve --node {node} --media {tmp_path / "media"}; '
+        f'"$0" -m emulator.serve --node {node} --media {tmp_path / "media"}; '
         "echo status=$?; ls /dev/shm"
     )
     run = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable], capture_output=True, text=True,

@@ -1,5 +1,5 @@
 /*
- * chm_srv.h -- the device side of the rings (used by driver/server.py via
+ * chm_srv.h -- the device side of the rings (used by emulator/serve/server.py via
  * cffi). The server keeps its own indices and sizes here, never reading them
  * back from memory a client can write.
  */

@@ -53,7 +53,13 @@ from emulator.config import Config
 from emulator.controller import DRAIN_TIMEOUT_S, Controller
 from emulator.errors import ChmError
 
-from .wire import ffi, lib, node_path, socket_path
+from driver.native import load_or_build
+from driver.wire import node_path, socket_path
+
+from . import srv_build
+
+_srv = load_or_build(srv_build.MODULE, srv_build.build, Path(srv_build.__file__).with_suffix(".lock"))
+ffi, lib = _srv.ffi, _srv.lib  # the wire's structs and constants, and the ring helpers
 
 STATS_FIELDS = [name for name, _ in ffi.typeof("struct chm_wire_stats").fields]
 ATTACH_REQ_SIZE = ffi.sizeof("struct chm_attach_req")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from emulator.cli import format_bytes
+from emulator.units import format_bytes
 from emulator.errors import ChmError
 
-from .wire import NodeError, read_node
+from driver.wire import NodeError, read_node
 
 
 def print_device_info(node: str, as_json: bool = False) -> int:

@@ -13,7 +13,7 @@ from emulator.config import FIELDS_BY_KEY, load_profile
 from emulator.controller import DRAIN_TIMEOUT_S
 from emulator.errors import ChmError
 
-from .wire import DEFAULT_NODE, NodeError
+from driver.wire import DEFAULT_NODE, NodeError
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -108,7 +108,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m driver.serve ...``: ``chm serve`` without loading every other subcommand."""
+    """``python -m emulator.serve ...``: ``chm serve`` without loading every other subcommand."""
     parser = cli.ChmArgumentParser(prog="chm")
     register(parser.add_subparsers(dest="command", metavar="COMMAND"))
     return cli.run(parser, ["serve", *(sys.argv[1:] if argv is None else argv)])
