@@ -11,12 +11,15 @@ from pathlib import Path
 
 from emulator.cli import ChmArgumentParser, UsageError, float_in, int_at_least
 
-from .names import MAPPINGS, METHODS, TIMINGS
+from .names import EVAL_ROWS, HOST_DRAM_BYTES, MAPPINGS, METHODS, STRATEGY_MODES, TIMINGS
 from .perfmodel import METHODS as PERF_METHODS
-from .perfmodel import list_platforms, load_models
+from .perfmodel import PAPER_SEQ_LEN, list_platforms, load_models
 
 if TYPE_CHECKING:
     from .engine import EngineOptions
+
+
+GENERATE_WINDOW = 64  # StreamingLLM's recent window in generate (eval matches it to the other rows' budget)
 
 
 def register(sub) -> None:
@@ -30,7 +33,10 @@ def register(sub) -> None:
     g = hs.add_parser("generate", help="greedy generation with per-step stats",
                       description="Generate text greedily with one method and print per-step statistics "
                                   "(K, strategy, CPU/accelerator/transfer times, bytes moved per tier).")
-    g.add_argument("--prompt", required=True, help="user prompt (wrapped in the chat template unless --raw)")
+    g.add_argument("--prompt", required=True, action="append",
+                   help="user prompt (wrapped in the chat template unless --raw); repeat for a batch of prompts")
+    g.add_argument("--batch", type=int_at_least(1), default=None,
+                   help="sequences decoded together (default: one per --prompt); the prompts are cycled to fill it")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     g.add_argument("--max-new-tokens", type=int_at_least(1), default=32, help="tokens to generate (default 32)")
     g.add_argument("--json", action="store_true", help="print text and steps as JSON")
@@ -47,16 +53,23 @@ def register(sub) -> None:
 
     e = hs.add_parser("eval", help="perplexity, agreement with full attention and passkey accuracy per method",
                       description="One row per method: perplexity on a Debian license text, top-1 agreement with "
-                                  "full attention, and passkey retrieval accuracy at several depths.")
-    e.add_argument("--methods", default=list(METHODS), type=_method_list, metavar="M1,M2",
-                   help=f"comma-separated subset of {', '.join(METHODS)}")
-    e.add_argument("--context-tokens", type=int, default=384)
-    e.add_argument("--scored-tokens", type=int, default=64)
-    e.add_argument("--passkey-tokens", type=int, default=384)
+                                  "full attention, passkey retrieval accuracy at several depths, the K each step "
+                                  "used and the share of post-QKᵀ steps. Rows: every method; 'hybridgen' is "
+                                  "post-QKᵀ pinned at K (accuracy), 'hybridgen-scheduled' runs Algorithm 1 on the "
+                                  "platform's modelled times. Deterministic except decode_ms_per_token.")
+    e.add_argument("--methods", default=list(EVAL_ROWS), type=_method_list, metavar="M1,M2",
+                   help=f"comma-separated subset of {', '.join(EVAL_ROWS)}")
+    e.add_argument("--context-tokens", type=int_at_least(2), default=1024)
+    e.add_argument("--scored-tokens", type=int_at_least(2), default=64)
+    e.add_argument("--passkey-tokens", type=int_at_least(2), default=1024)
     e.add_argument("--passkey-depths", default=(0.1, 0.5, 0.9), type=_fractions(zero_allowed=True), metavar="D1,D2",
                    help="comma-separated depths in [0, 1]")
+    budget = e.add_mutually_exclusive_group()
+    budget.add_argument("--budget-ratio", type=float_in(0, 1, lo_open=True), default=None,
+                        help="K as a share of the context, (0, 1] (default: the paper's K_min ratio, 128/2048)")
+    budget.add_argument("--k-min", type=int_at_least(1), default=None, help="K in tokens, instead of --budget-ratio")
     e.add_argument("--json", action="store_true", help="print the rows as JSON")
-    _engine_args(e, with_method=False)
+    _engine_args(e, with_method=False, with_k=False)
     e.set_defaults(func=_eval)
 
     k = hs.add_parser("kmin", help="profile K_min: accuracy vs retained-KV ratio, pick the knee (paper Fig. 14)",
@@ -87,18 +100,26 @@ def register(sub) -> None:
 
     m = hs.add_parser("model-perf", help="modelled decode latency per method on platform A, B or C",
                       description="Modelled decode latency per method for the paper's models (no weights needed), "
-                                  "normalised to FlexGen, with sequence-length and batch sweeps and "
-                                  "semantic-aware vs interleaved KV mapping.")
+                                  "normalised to FlexGen, beside the paper's claimed speedups; sequence sweep "
+                                  "(Llama-3.1-8B, Qwen2.5-7B), batch sweep (OPT-13B) and, on a platform with CXL, "
+                                  "semantic-aware vs interleaved KV mapping where the KV exceeds host DRAM.")
     m.add_argument("--platform", default="A", help=f"{', '.join(platforms)} or a platform TOML path (default A)")
-    m.add_argument("--seq-len", type=int_at_least(1), default=2048)
+    m.add_argument("--seq-len", type=int_at_least(1), default=PAPER_SEQ_LEN)
     m.add_argument("--batch", type=int_at_least(1), default=1)
-    m.add_argument("--kv-ratio", type=float_in(0, 1, lo_open=True), default=0.1,
-                   help="retained share of offloaded tokens (K_min), (0, 1]")
-    m.add_argument("--sweep-model", default="llama-3.1-8b", choices=models,
-                   help="model for the sequence-length and batch sweeps")
+    m.add_argument("--k-min", type=int_at_least(1), default=None,
+                   help="K_min of HybridGen and fixed K of the selective baselines (default: each model's, models.toml)")
+    m.add_argument("--set", dest="overrides", action="append", default=[], type=_override, metavar="SECTION.FIELD=VALUE",
+                   help="replace one number of the platform file (a sensitivity run); repeatable")
     m.add_argument("--plot", metavar="PNG", help="draw speedups over FlexGen into this PNG")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_model_perf)
+
+    c = hs.add_parser("calibrate", help="measure this machine into a platform file (for generate --platform FILE)",
+                      description="Measure this machine's rates and the engine's fixed costs into a platform TOML, "
+                                  "so that the model's columns of generate describe this machine.")
+    c.add_argument("--out", required=True, metavar="TOML", help="platform file to write")
+    c.add_argument("--threads", type=int_at_least(1), default=1, help="torch CPU threads, as generate (default 1)")
+    c.set_defaults(func=_calibrate)
 
 
 def build_parser_for_tests() -> argparse.ArgumentParser:
@@ -110,9 +131,9 @@ def build_parser_for_tests() -> argparse.ArgumentParser:
 
 def _method_list(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in METHODS]
+    bad = [m for m in names if m not in EVAL_ROWS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: {','.join(bad) or 'no method'}; allowed: {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: {','.join(bad) or 'no method'}; allowed: {', '.join(EVAL_ROWS)}")
     return names
 
 
@@ -131,36 +152,67 @@ def _fractions(zero_allowed: bool):
     return parse
 
 
-def _platform(name: str):
+def _override(text: str) -> tuple[str, float]:
+    """An argparse ``type=``: SECTION.FIELD=NUMBER."""
+    key, sep, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if not sep or "." not in key or number is None:
+        raise argparse.ArgumentTypeError(f"{text!r} must be SECTION.FIELD=NUMBER, e.g. cpu.attention_gflops=150")
+    return key.strip(), number
+
+
+def _platform_name(name: str) -> str:
+    """An argparse ``type=``: a shipped platform or an existing TOML path."""
+    if name not in list_platforms() and not Path(name).is_file():
+        raise argparse.ArgumentTypeError(f"{name!r} must be one of {', '.join(list_platforms())} or a TOML file")
+    return name
+
+
+def _platform(name: str, overrides=()):
     """A shipped platform or a TOML path: an unknown name is a usage error, a bad file a runtime one."""
     from .perfmodel import load_platform
 
     if name not in list_platforms() and not Path(name).is_file():
         raise UsageError(f"--platform {name!r} must be one of {', '.join(list_platforms())} or a TOML file")
     try:
-        return load_platform(name)
+        return load_platform(name, dict(overrides))
     except KeyError as exc:
         raise ValueError(f"platform file {name}: missing field {exc}") from None
     except (TypeError, ValueError) as exc:  # wrong types, not TOML
         raise ValueError(f"platform file {name}: {exc}") from None
 
 
-def _engine_args(p, with_method: bool = True) -> None:
+def _engine_args(p, with_method: bool = True, with_k: bool = True) -> None:
     if with_method:
         p.add_argument("--method", default="hybridgen", choices=METHODS, help="attention method (default hybridgen)")
     p.add_argument("--resident-budget", type=int, default=32, help="tokens per layer on the accelerator (default 32)")
-    p.add_argument("--k-min", type=int, default=32, help="K_min / fixed K of selective baselines (default 32)")
+    if with_k:
+        p.add_argument("--k-min", type=int, default=None,
+                       help="K_min / fixed K of pinned strategies and selective baselines (default: SmolLM2's "
+                            "profiled K_min, models.toml)")
     p.add_argument("--k-max", type=int, default=512)
     p.add_argument("--k-step", type=int, default=16)
-    p.add_argument("--window", type=int, default=64, help="StreamingLLM recent window (default 64)")
+    p.add_argument("--window", type=int, default=None,
+                   help="StreamingLLM recent window (default: generate 64; eval the other rows' budget, K + resident)")
     p.add_argument("--no-selection", action="store_true", help="use every offloaded token (exact hybrid attention)")
+    p.add_argument("--strategy", default="auto", choices=STRATEGY_MODES,
+                   help="hybridgen's selection: auto (Algorithm 1 sets K and the strategy), or post / pre pinned "
+                        "at K = --k-min (default auto)")
     p.add_argument("--exact", action="store_true", help="no layer-ahead speculation: the CPU uses the true query")
     p.add_argument("--exact-layers", type=int, default=2,
                    help="first layers whose CPU logits always use the true query (default 2)")
     p.add_argument("--mapping", default="semantic", choices=MAPPINGS, help="where V goes once host DRAM is full")
-    p.add_argument("--v-dram-tokens", type=int, default=128, help="V rows per layer in DRAM before the CXL tier")
+    p.add_argument("--host-dram-mib", type=float_in(0), default=HOST_DRAM_BYTES / 2**20,
+                   help="host DRAM for offloaded KV, MiB: beyond it V moves to the CXL tier, then K (default "
+                        f"{HOST_DRAM_BYTES / 2**20:g})")
+    p.add_argument("--no-prefetch", action="store_true", help="read CXL-resident V rows on demand only")
     p.add_argument("--timing", default="measured", choices=TIMINGS, help="scheduler inputs")
-    p.add_argument("--platform", default="A", choices=list_platforms(), help="platform profile for modelled times")
+    p.add_argument("--platform", default="A", type=_platform_name,
+                   help=f"platform for the modelled times: {', '.join(list_platforms())} or a TOML path "
+                        "(chm hybridgen calibrate writes one of this machine) (default A)")
     p.add_argument("--threads", type=int_at_least(1), default=1,
                    help="torch CPU threads (default 1: decode ops are tiny, more threads mostly add contention)")
 
@@ -171,11 +223,13 @@ def _options(args, method: str) -> "EngineOptions":
     import torch
 
     torch.set_num_threads(args.threads)
-    opts = EngineOptions(method=method, resident_budget=args.resident_budget, k_min=args.k_min, k_max=args.k_max,
-                         k_step=args.k_step, selection=not args.no_selection, layer_ahead=not args.exact,
-                         exact_layers=args.exact_layers,
-                         mapping=args.mapping, v_dram_tokens=args.v_dram_tokens, timing=args.timing,
-                         platform=args.platform, window=args.window)
+    k_min = {"k_min": args.k_min} if getattr(args, "k_min", None) is not None else {}  # else EngineOptions' default
+    opts = EngineOptions(method=method, resident_budget=args.resident_budget, **k_min, k_max=args.k_max,
+                         k_step=args.k_step, selection=not args.no_selection, strategy=args.strategy,
+                         layer_ahead=not args.exact, exact_layers=args.exact_layers, mapping=args.mapping,
+                         host_dram_bytes=args.host_dram_mib * 2**20, prefetch=not args.no_prefetch,
+                         timing=args.timing, platform=args.platform, batch=getattr(args, "batch", 1),
+                         window=args.window or GENERATE_WINDOW)
     try:
         opts.validate()
     except ValueError as exc:
@@ -196,30 +250,36 @@ def _generate(args) -> int:
 
     from .engine import Engine
 
+    args.batch = args.batch or len(args.prompt)
     opts = _options(args, args.method)
     model, tok = _load()
-    ids = tok.encode(args.prompt if args.raw else tok.chat_prompt(args.prompt))
-    opts.capacity = len(ids) + args.max_new_tokens + 1
+    prompts = [tok.encode(p if args.raw else tok.chat_prompt(p)) for p in args.prompt]
+    prompts = [prompts[b % len(prompts)] for b in range(args.batch)]
+    opts.capacity = max(map(len, prompts)) + args.max_new_tokens + 1
     with Engine(model, opts) as eng, tqdm(total=args.max_new_tokens, desc=args.method, file=sys.stderr,
                                           leave=False) as bar:
-        out = eng.generate(ids, args.max_new_tokens, eos_id=tok.eos_id, progress=bar)
+        outs = eng.generate_batch(prompts, args.max_new_tokens, eos_id=tok.eos_id, progress=bar)
         steps = [s.as_dict() for s in eng.steps]
-    text = tok.decode(out)
+    texts = [tok.decode(out) for out in outs]
     if args.json:
-        print(json.dumps({"method": args.method, "text": text, "tokens": out, "steps": steps}, indent=1))
+        result = {"method": args.method, "batch": args.batch, "texts": texts, "tokens": outs, "steps": steps}
+        if args.batch == 1:
+            result.update(text=texts[0])
+        print(json.dumps(result, indent=1))
         return 0
-    print(text)
+    for b, text in enumerate(texts):
+        print(f"[{b}] {text}" if args.batch > 1 else text)
     print()
     print(f"{'step':>4} {'ctx':>5} {'res':>4} {'off':>5} {'K':>4} {'strat':>5} {'cpu ms':>7} {'acc ms':>7} "
           f"{'tx ms':>6} | {'model cpu/tx/gpu us':>20} | {'DRAM rd':>8} {'CXL rd':>8} {'CXL wr':>7} {'PCIe':>8} "
-          f"{'CXL us':>7} branch")
+          f"{'CXL us':>7} {'K@CXL':>6} branch")
     for s in steps:
         b = s["bytes"]
         print(f"{s['step']:>4} {s['n_tokens']:>5} {s['resident']:>4} {s['offloaded']:>5} {s['k']:>4} "
               f"{s['strategy']:>5} {s['t_cpu'] * 1e3:>7.2f} {s['t_gpu'] * 1e3:>7.2f} {s['t_tx'] * 1e3:>6.2f} | "
               f"{s['model_t_cpu'] * 1e6:>6.0f}/{s['model_t_tx'] * 1e6:>5.0f}/{s['model_t_gpu'] * 1e6:>6.0f} | "
               f"{b.get('dram_read', 0):>8} {b.get('cxl_read', 0):>8} {b.get('cxl_write', 0):>7} "
-              f"{b.get('pcie_to_accel', 0):>8} {s['cxl_ns'] / 1e3:>7.1f} {s['branch']}")
+              f"{b.get('pcie_to_accel', 0):>8} {s['cxl_ns'] / 1e3:>7.1f} {s['k_in_cxl']:>6} {s['branch']}")
     return 0
 
 
@@ -250,30 +310,34 @@ def _similarity(args) -> int:
     return 0
 
 
-def eval_method_options(args) -> dict[str, "EngineOptions"]:
-    return {name: _options(args, name) for name in args.methods}
-
-
 def _eval(args) -> int:
     from tqdm import tqdm
 
     from .evaluate import EvalSettings, evaluate_methods
 
-    settings = EvalSettings(args.context_tokens, args.scored_tokens, args.passkey_tokens, args.passkey_depths)
+    settings = EvalSettings(args.context_tokens, args.scored_tokens, args.passkey_tokens, args.passkey_depths,
+                            budget_ratio=args.budget_ratio, k_min=args.k_min, window=args.window)
     try:
         settings.validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    methods = eval_method_options(args)
+    args.k_min, args.k_max = settings.k, max(args.k_max, settings.k)  # the rows' K (row_options) in range
+    base = _options(args, "full")
     model, tok = _load()
-    with tqdm(total=len(methods), desc="methods", file=sys.stderr, leave=False) as bar:
-        rows = evaluate_methods(model, tok, methods, settings, progress=bar)
+    with tqdm(total=len(args.methods), desc="methods", file=sys.stderr, leave=False) as bar:
+        rows = evaluate_methods(model, tok, args.methods, base, settings, progress=bar)
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        print(f"{'method':<14} {'perplexity':>10} {'agreement':>9} {'passkey':>8}")
-        for r in rows:
-            print(f"{r['method']:<14} {r['perplexity']:>10.3f} {r['agreement']:>9.3f} {r['passkey_accuracy']:>8.3f}")
+        return 0
+    full = next((r for r in rows if r["method"] == "full"), None)
+    print(f"{settings.context_tokens}-token context, {settings.scored_tokens} scored tokens, K = {settings.k}, "
+          f"{args.resident_budget} resident tokens")
+    print(f"{'method':<20} {'perplexity':>10} {'vs full':>8} {'agreement':>9} {'passkey':>8} {'post-QKᵀ':>8} {'K':>9}")
+    for r in rows:
+        gap = f"{r['perplexity'] / full['perplexity'] - 1:+8.1%}" if full else f"{'':>8}"
+        post = "" if r["post_qkt_fraction"] is None else f"{r['post_qkt_fraction']:.2f}"
+        print(f"{r['method']:<20} {r['perplexity']:>10.3f} {gap} {r['agreement']:>9.3f} {r['passkey_accuracy']:>8.3f} "
+              f"{post:>8} {r['k_range'][0]:>4}-{r['k_range'][1]:<4}")
     return 0
 
 
@@ -343,7 +407,7 @@ def _schedule(args) -> int:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3))
         ax.plot([off for off, _ in trace], [d.k for _, d in trace], label="K")
-        switch = next((off for off, d in trace if d.branch == "switch"), None)
+        switch = next((off for off, d in trace if d.branch == "switch-to-pre"), None)
         if switch is not None:
             ax.axvline(switch, color="gray", ls="--", label="switch to pre-QKᵀ")
         ax.set_xlabel("offloaded tokens")
@@ -354,37 +418,29 @@ def _schedule(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    import torch
+
+    from .calibrate import measure, to_toml
+
+    torch.set_num_threads(args.threads)
+    model, _ = _load()
+    text = to_toml(measure(model))
+    Path(args.out).write_text(text)
+    print(text, end="")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def _model_perf(args) -> int:
-    from .perfmodel import PAPER_MODELS, decode_latency, geomean
+    from .perfmodel import model_perf_report
 
-    platform = _platform(args.platform)
-    models = load_models()
-
-    def speedups(model, seq, batch, mapping="semantic"):
-        lat = {meth: decode_latency(meth, models[model], platform, seq, batch, args.kv_ratio, mapping)
-               for meth in PERF_METHODS}
-        return lat, {meth: lat["flexgen"] / t for meth, t in lat.items()}
-
-    table = []
-    for name in PAPER_MODELS:
-        lat, sp = speedups(name, args.seq_len, args.batch)
-        table.append({"model": name, "latency_ms": {k: v * 1e3 for k, v in lat.items()}, "speedup_vs_flexgen": sp})
-    gmean = {meth: geomean(r["speedup_vs_flexgen"][meth] for r in table) for meth in PERF_METHODS}
-    seq_sweep = [{"seq_len": n, **{m: round(speedups(args.sweep_model, n, args.batch)[1][m], 3) for m in PERF_METHODS}}
-                 for n in (2048, 4096, 8192, 16384, 32768)]
-    batch_sweep = [{"batch": b, **{m: round(speedups(args.sweep_model, args.seq_len, b)[1][m], 3) for m in PERF_METHODS}}
-                   for b in (1, 2, 4, 8, 16)]
-    mapping = []
-    for name, seq in [(n, args.seq_len) for n in PAPER_MODELS] + [(args.sweep_model, 32768)]:
-        sem, inter = (decode_latency("hybridgen-fixed", models[name], platform, seq, args.batch, args.kv_ratio, mp)
-                      for mp in ("semantic", "interleaved"))
-        mapping.append({"model": name, "seq_len": seq, "semantic_ms": sem * 1e3, "interleaved_ms": inter * 1e3,
-                        "semantic_speedup": inter / sem})
-    result = {"platform": platform.name, "seq_len": args.seq_len, "batch": args.batch, "kv_ratio": args.kv_ratio,
-              "models": table, "geomean_speedup_vs_flexgen": gmean,
-              "hybridgen_over": {m: gmean["hybridgen"] / gmean[m] for m in PERF_METHODS if m != "hybridgen"},
-              "seq_len_sweep": seq_sweep, "batch_sweep": batch_sweep, "mapping": mapping,
-              "mapping_geomean_speedup": geomean(r["semantic_speedup"] for r in mapping)}
+    platform = _platform(args.platform, args.overrides)
+    try:
+        result = model_perf_report(platform, args.seq_len, args.batch, args.k_min)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    result["overrides"] = dict(args.overrides)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -396,25 +452,40 @@ def _model_perf(args) -> int:
 
 def _print_model_perf(r) -> None:
     meths = list(PERF_METHODS)
-    print(f"platform {r['platform']}; {r['seq_len']} tokens, batch {r['batch']}, K_min ratio {r['kv_ratio']}")
-    print("decode latency per token, ms (speedup over FlexGen)")
-    print(f"{'model':<14}" + "".join(f"{m:>22}" for m in meths))
+    k = "each model's K_min (models.toml)" if r["k_min"] is None else f"K_min {r['k_min']}"
+    sets = "".join(f", {key}={v:g}" for key, v in r["overrides"].items())
+    print(f"platform {r['platform']}{sets}; {r['seq_len']} tokens, batch {r['batch']}, {k}")
+    print("decode latency per token, ms (speedup over FlexGen); hybridgen: share of post-QKᵀ steps, K range")
+    print(f"{'model':<14}" + "".join(f"{m:>22}" for m in meths) + "  post  K")
     for row in r["models"]:
+        hg = row["hybridgen"]
         print(f"{row['model']:<14}" + "".join(
-            f"{row['latency_ms'][m]:>13.2f} ({row['speedup_vs_flexgen'][m]:>5.2f}x)" for m in meths))
+            f"{row['latency_ms'][m]:>13.2f} ({row['speedup_vs_flexgen'][m]:>5.2f}x)" for m in meths)
+            + f"  {hg['post_fraction']:.2f}  {hg['k_range'][0]}-{hg['k_range'][1]}")
     print(f"{'geomean':<14}" + "".join(f"{r['geomean_speedup_vs_flexgen'][m]:>21.2f}x" for m in meths))
-    print("HybridGen over: " + ", ".join(f"{m} {v:.2f}x" for m, v in r["hybridgen_over"].items()))
-    print("\nsequence-length sweep (speedup over FlexGen)")
-    for row in r["seq_len_sweep"]:
-        print(f"  {row['seq_len']:>6} tokens: " + ", ".join(f"{m} {row[m]:.2f}x" for m in meths))
-    print("batch sweep (speedup over FlexGen)")
-    for row in r["batch_sweep"]:
-        print(f"  batch {row['batch']:>2}: " + ", ".join(f"{m} {row[m]:.2f}x" for m in meths))
-    print("KV mapping for HybridGen at K = K_min, post-QKᵀ: semantic-aware (K in DRAM, V in CXL) vs interleaved pages")
-    for row in r["mapping"]:
-        print(f"  {row['model']:<14} {row['seq_len']:>6} tok  semantic {row['semantic_ms']:8.2f} ms  interleaved {row['interleaved_ms']:8.2f} ms"
-              f"  ({row['semantic_speedup']:.2f}x)")
-    print(f"  geomean semantic-aware speedup {r['mapping_geomean_speedup']:.2f}x")
+    print("HybridGen over each baseline, geometric mean over the models (max over the models) [paper]:")
+    for m, v in r["hybridgen_over"].items():
+        paper = r["paper_speedup"].get(m)
+        print(f"  {m:<15} {v['geomean']:5.2f}x  ({v['max']:.2f}x)" + (f"  [paper {paper:.2f}x]" if paper else ""))
+    for sweep in r["seq_len_sweep"]:
+        print(f"\nsequence-length sweep, {sweep['model']}, batch {r['batch']}: HybridGen's speedup over each baseline")
+        for row in sweep["rows"]:
+            print(f"  {row['seq_len']:>6} tokens: " + ", ".join(f"{m} {v:.2f}x" for m, v in row["hybridgen_over"].items()))
+    b = r["batch_sweep"]
+    print(f"\nbatch sweep, {b['model']}, {r['seq_len']} tokens: HybridGen's speedup over each baseline")
+    for row in b["rows"]:
+        print(f"  batch {row['batch']:>2}: " + ", ".join(f"{m} {v:.2f}x" for m, v in row["hybridgen_over"].items()))
+    if r["mapping"]:
+        print("\nKV mapping: semantic-aware (K in DRAM, only V beyond DRAM in CXL) vs interleaved pages; "
+              "ms per token, semantic's speedup")
+        for row in r["mapping"]:
+            head = f"  {row['model']:<13} {row['seq_len']:>6} tok batch {row['batch']:>2}:"
+            if not row["fits"]:
+                print(f"{head} the KV exceeds host DRAM + CXL")
+                continue
+            print(f"{head} {row['offloaded_kv_gb']:4.0f} GB, V in CXL {row['v_cxl']:.2f}, K {row['k_cxl']:.2f};" + ";".join(
+                f" {meth} {row[meth]['semantic_ms']:.1f} vs {row[meth]['interleaved_ms']:.1f}"
+                f" ({row[meth]['semantic_speedup']:.2f}x)" for meth in ("hybridgen-fixed", "hybridgen")))
 
 
 def _plot_model_perf(r, path) -> None:

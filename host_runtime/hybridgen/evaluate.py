@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .engine import Engine, EngineOptions
+from .engine import HYBRID_FAMILY, Engine, EngineOptions
+from .names import EVAL_ROWS, METHODS, POST
 
 LICENSE_TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -25,29 +27,94 @@ def long_english_text() -> str:
     raise FileNotFoundError(f"none of {LICENSE_TEXTS} exists; install Debian's base-files")
 
 
+def paper_k_min_ratio() -> float:
+    """The paper's K_min over its sequence length (128 / 2048 = 6.25 %): the accuracy row's K / context."""
+    from .perfmodel import PAPER_SEQ_LEN, load_models
+
+    return load_models()["opt-13b"].k_min / PAPER_SEQ_LEN
+
+
 @dataclass
 class EvalSettings:
-    context_tokens: int = 384      # prefix prefilled with full attention
+    context_tokens: int = 1024     # prefix prefilled with full attention
     scored_tokens: int = 64        # continuation decoded one step at a time with the method
-    passkey_tokens: int = 384      # filler length of the passkey context
+    passkey_tokens: int = 1024     # filler length of the passkey context
     passkey_depths: tuple = (0.1, 0.5, 0.9)
     passkey_seed: int = 0
+    budget_ratio: float | None = None  # K / context_tokens; None: the paper's K_min ratio
+    k_min: int | None = None           # K in tokens, instead of the ratio
+    window: int | None = None          # StreamingLLM's window; None: its budget matches the others' (K + resident)
 
     def validate(self):
         for name in ("context_tokens", "scored_tokens", "passkey_tokens"):
             if getattr(self, name) < 2:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 2")
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed >= 2")
         for d in self.passkey_depths:
             if not 0 <= d <= 1:
-                raise ValueError(f"passkey depth {d} must be in [0, 1]")
+                raise ValueError(f"passkey_depths={d} is invalid: allowed [0, 1]")
+        if self.budget_ratio is not None and not 0 < self.budget_ratio <= 1:
+            raise ValueError(f"budget_ratio={self.budget_ratio} is invalid: allowed (0, 1]")
+        for name in ("k_min", "window"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed >= 1")
+
+    @property
+    def k(self) -> int:
+        """Selected offloaded tokens per layer: ``k_min``, or the budget ratio of the context."""
+        if self.k_min is not None:
+            return self.k_min
+        ratio = paper_k_min_ratio() if self.budget_ratio is None else self.budget_ratio
+        return max(1, round(ratio * self.context_tokens))
+
+
+def row_options(row: str, base: EngineOptions, settings: EvalSettings) -> EngineOptions:
+    """The engine options of one eval row (``names.EVAL_ROWS``), from the command line's ``base``.
+
+    Every selective row keeps K = ``settings.k`` offloaded tokens next to the resident budget;
+    StreamingLLM gets the same budget (sinks + window = K + resident) unless ``settings.window`` is set.
+    """
+    k = settings.k
+    if row in ("full", "flexgen", "moe-lightning"):
+        return replace(base, method=row)
+    if row == "hybridgen":  # accuracy: post-QKᵀ pinned at K with the layer's true query, no branch taken on timing
+        return replace(base, method="hybridgen", strategy="post", k_min=k, k_max=k, layer_ahead=False)
+    if row == "hybridgen-scheduled":  # Algorithm 1 on modelled times: deterministic
+        return replace(base, method="hybridgen", strategy="auto", timing="model", k_min=k,
+                       k_max=max(k, base.k_max))
+    if row == "streamingllm":
+        window = settings.window or max(1, k + base.resident_budget - base.sinks)
+        return replace(base, method=row, window=window, k_min=k, k_max=max(k, base.k_max))
+    if row in METHODS:
+        return replace(base, method=row, k_min=k, k_max=max(k, base.k_max))
+    raise ValueError(f"row={row!r} is invalid: allowed {EVAL_ROWS}")
+
+
+class PrefillCache:
+    """The prompt pass of every prompt, computed once and shared by all methods (it is the same full attention)."""
+
+    def __init__(self, model):
+        self.model, self.done = model, {}
+
+    def __call__(self, eng: Engine, ids: list[int]):
+        key = tuple(ids)
+        if key not in self.done:
+            self.done[key] = eng.accel.prefill(torch.tensor(ids), last_logits_only=True)
+        return self.done[key]
+
+
+def decode_run(model, opts: EngineOptions, prefix: list[int], scored: list[int], prefill: PrefillCache | None = None):
+    """Teacher-forced run of ``scored`` after ``prefix``: (perplexity, argmax ids [N], the engine's steps)."""
+    with Engine(model, replace(opts, capacity=max(opts.capacity, len(prefix) + len(scored) + 1))) as eng:
+        logits = eng.teacher_force(prefix, scored, prefill(eng, prefix) if prefill else None)
+        steps = eng.steps
+    nll = torch.nn.functional.cross_entropy(logits.float().cpu(), torch.tensor(scored))
+    return math.exp(float(nll)), logits.argmax(-1).cpu(), steps
 
 
 def perplexity_and_argmax(model, opts: EngineOptions, prefix: list[int], scored: list[int]):
     """Teacher-forced NLL of ``scored`` after ``prefix``: (perplexity, argmax ids [N])."""
-    with Engine(model, replace(opts, capacity=max(opts.capacity, len(prefix) + len(scored) + 1))) as eng:
-        logits = eng.teacher_force(prefix, scored)
-    nll = torch.nn.functional.cross_entropy(logits.float().cpu(), torch.tensor(scored))
-    return math.exp(float(nll)), logits.argmax(-1).cpu()
+    ppl, argmax, _ = decode_run(model, opts, prefix, scored)
+    return ppl, argmax
 
 
 def passkey_prompt(tok, n_filler_tokens: int, depth: float, key: str) -> tuple[list[int], list[int]]:
@@ -60,7 +127,7 @@ def passkey_prompt(tok, n_filler_tokens: int, depth: float, key: str) -> tuple[l
     return ctx, tok.encode(" " + PASSKEY_QUESTION)
 
 
-def passkey_found(model, tok, opts: EngineOptions, settings: EvalSettings) -> float:
+def passkey_found(model, tok, opts: EngineOptions, settings: EvalSettings, prefill: PrefillCache | None = None) -> float:
     """Fraction of depths at which greedy decoding repeats the hidden number."""
     rng = random.Random(settings.passkey_seed)
     hits = 0
@@ -68,7 +135,7 @@ def passkey_found(model, tok, opts: EngineOptions, settings: EvalSettings) -> fl
         key = str(rng.randrange(10000, 99999))
         ctx, question = passkey_prompt(tok, settings.passkey_tokens, depth, key)
         with Engine(model, replace(opts, capacity=max(opts.capacity, len(ctx) + len(question) + 16))) as eng:
-            logits = eng.prefill(torch.tensor(ctx))
+            logits = eng.prefill(torch.tensor(ctx), prefill(eng, ctx) if prefill else None)
             for t in question:  # the question goes through the method's decode path
                 logits = eng.step(t)
             out = []
@@ -80,24 +147,40 @@ def passkey_found(model, tok, opts: EngineOptions, settings: EvalSettings) -> fl
     return hits / len(settings.passkey_depths)
 
 
-def evaluate_methods(model, tok, methods: dict[str, EngineOptions], settings: EvalSettings, progress=None) -> list[dict]:
-    """One row per method: method, perplexity, agreement (top-1 with 'full'), passkey_accuracy."""
+TIMING_FIELDS = ("decode_ms_per_token",)  # the only fields of a row that depend on this machine's speed
+
+
+def evaluate_methods(model, tok, rows: list[str], base: EngineOptions, settings: EvalSettings,
+                     progress=None) -> list[dict]:
+    """One dict per row: method, perplexity, agreement (top-1 with 'full'), passkey_accuracy, the K each step
+    used (k_range), the share of post-QKᵀ steps (post_qkt_fraction; None for the methods that select nothing:
+    full, flexgen, moe-lightning), offloaded tokens at the last step, and
+    decode_ms_per_token (measured: the one timing field). K, strategy and offloaded come from the perplexity run."""
     settings.validate()
     ids = tok.encode(long_english_text())
     need = settings.context_tokens + settings.scored_tokens
     if len(ids) < need:
         raise ValueError(f"context_tokens + scored_tokens = {need} exceeds the text's {len(ids)} tokens")
     prefix, scored = ids[:settings.context_tokens], ids[settings.context_tokens:need]
-    _, reference = perplexity_and_argmax(model, EngineOptions(method="full"), prefix, scored)
-    rows = []
-    for name, opts in methods.items():
-        ppl, argmax = perplexity_and_argmax(model, opts, prefix, scored)
-        rows.append({"method": name, "perplexity": round(ppl, 4),
-                     "agreement": round(float((argmax == reference).float().mean()), 4),
-                     "passkey_accuracy": round(passkey_found(model, tok, opts, settings), 4)})
+    prefill = PrefillCache(model)
+    _, reference, _ = decode_run(model, replace(base, method="full"), prefix, scored, prefill)
+    out = []
+    for row in rows:
+        opts = row_options(row, base, settings)
+        t0 = time.perf_counter()
+        ppl, argmax, steps = decode_run(model, opts, prefix, scored, prefill)
+        seconds = time.perf_counter() - t0
+        out.append({"method": row, "perplexity": round(ppl, 4),
+                    "agreement": round(float((argmax == reference).float().mean()), 4),
+                    "passkey_accuracy": round(passkey_found(model, tok, opts, settings, prefill), 4),
+                    "k_range": [min(s.k for s in steps), max(s.k for s in steps)],
+                    "post_qkt_fraction": (round(sum(s.strategy == POST for s in steps) / len(steps), 4)
+                                          if opts.method in HYBRID_FAMILY else None),  # no selection: no strategy
+                    "offloaded": steps[-1].offloaded,
+                    "decode_ms_per_token": round(seconds / len(scored) * 1e3, 2)})
         if progress is not None:
             progress.update(1)
-    return rows
+    return out
 
 
 @torch.no_grad()
@@ -130,14 +213,14 @@ def profile_kmin(model, tok, ratios: list[float], settings: EvalSettings, base: 
     ids = tok.encode(long_english_text())
     prefix = ids[:settings.context_tokens]
     scored = ids[settings.context_tokens:settings.context_tokens + settings.scored_tokens]
-    _, reference = perplexity_and_argmax(model, EngineOptions(method="full"), prefix, scored)
+    prefill = PrefillCache(model)
+    _, reference, _ = decode_run(model, replace(base, method="full"), prefix, scored, prefill)
     rows = []
     offloaded = max(1, settings.context_tokens - base.resident_budget)
     for r in ratios:
         k = max(1, int(round(r * offloaded)))
-        opts = replace(base, method="hybridgen",
-                       k_min=k, k_max=k, layer_ahead=False)
-        ppl, argmax = perplexity_and_argmax(model, opts, prefix, scored)
+        opts = replace(base, method="hybridgen", strategy="post", k_min=k, k_max=k, layer_ahead=False)
+        ppl, argmax, _ = decode_run(model, opts, prefix, scored, prefill)
         rows.append({"ratio": r, "k": k, "agreement": float((argmax == reference).float().mean()), "perplexity": ppl})
         if progress is not None:
             progress.update(1)

@@ -19,11 +19,12 @@ import cffi
 
 from driver.native import load_or_build
 
-MODULE = "host_runtime.hybridgen._logits_kernel"
+# "_mt": the signature with a thread count; a new name, so that a stale build of the old one is never loaded
+MODULE = "host_runtime.hybridgen._logits_kernel_mt"
 
 CDEF = """
 void hg_logits_rows(const float *k, long n_tokens, int n_kv_heads, int head_dim,
-                    const float *q, int n_heads, float *out);
+                    const float *q, int n_heads, float *out, int n_threads);
 """
 
 SOURCE = r"""
@@ -31,9 +32,10 @@ SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-/* out[s * n_heads + h] = k[s, kv(h), :] . q[h, :]  (q pre-scaled by 1/sqrt(d); kv(h) = h / group) */
+/* out[s * n_heads + h] = k[s, kv(h), :] . q[h, :]  (q pre-scaled by 1/sqrt(d); kv(h) = h / group),
+   on n_threads OpenMP threads (the caller's CPU budget: OpenMP's default takes every core) */
 void hg_logits_rows(const float *k, long n_tokens, int n_kv_heads, int head_dim,
-                    const float *q, int n_heads, float *out)
+                    const float *q, int n_heads, float *out, int n_threads)
 {
     const int group = n_heads / n_kv_heads;
     const long row = (long)n_kv_heads * head_dim;
@@ -41,7 +43,7 @@ void hg_logits_rows(const float *k, long n_tokens, int n_kv_heads, int head_dim,
     if (head_dim % 16 == 0) {
         /* explicit 16-lane FMAs + one in-register reduction per head: the compiler's own
            vectorisation of the loop below reaches about half of this */
-        #pragma omp parallel for schedule(static)
+        #pragma omp parallel for schedule(static) num_threads(n_threads)
         for (long s = 0; s < n_tokens; s++) {
             const float *ks = k + s * row;
             float *os = out + s * n_heads;
@@ -58,7 +60,7 @@ void hg_logits_rows(const float *k, long n_tokens, int n_kv_heads, int head_dim,
         return;
     }
 #endif
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (long s = 0; s < n_tokens; s++) {
         const float *ks = k + s * row;
         float *os = out + s * n_heads;

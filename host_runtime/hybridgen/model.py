@@ -156,11 +156,11 @@ class SmolLM2:
         return h @ self.w.get("output.weight", self.w["token_embd.weight"]).T
 
     # ---- whole-prompt pass -----------------------------------------------------
-    def prefill(self, ids: torch.Tensor):
+    def prefill(self, ids: torch.Tensor, last_logits_only: bool = False):
         """Causal full attention over a prompt.
 
-        ids: [T] -> (logits [T, vocab], ks, vs: lists per layer of [Hkv, T, d],
-        inputs: list per layer of the layer input [T, D]).
+        ids: [T] -> (logits [T, vocab] (or [1, vocab] of the last token with ``last_logits_only``),
+        ks, vs: lists per layer of [Hkv, T, d], inputs: list per layer of the layer input [T, D]).
         """
         c = self.cfg
         pos = torch.arange(len(ids))
@@ -176,4 +176,4 @@ class SmolLM2:
             vv = v.repeat_interleave(c.group, dim=0)
             scores = q @ kk.transpose(1, 2) / math.sqrt(c.head_dim) + mask
             x = self.finish(layer, x, torch.softmax(scores, -1) @ vv)
-        return self.lm_head(x), ks, vs, inputs
+        return self.lm_head(x[-1:] if last_logits_only else x), ks, vs, inputs

@@ -9,8 +9,9 @@ offloaded set (ascending, int64). ``stage`` says when a selector runs:
   or from a cheap speculation (InfiniGen: partial query/key channels); the CPU
   then computes logits only for the chosen tokens.
 
-Accumulating selectors learn from ``observe(layer, positions, probs)``, called
-with the attention probabilities the accelerator actually used.
+Accumulating selectors learn from ``observe(layer, positions, probs, seq)``, called
+with the attention probabilities the accelerator actually used. State is kept per
+sequence of a batch (``seq``), so a batch selects exactly as its sequences alone would.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import attention_logits
+from .perfmodel import INFINIGEN_CHANNEL_FRACTION
 
 
 @dataclass
@@ -29,7 +31,8 @@ class SelectionRequest:
     layer; k: how many offloaded tokens to keep; positions: [S] original
     positions of the offloaded tokens; n_tokens: tokens in the whole context;
     logits: [Hq, S] CPU logits (post stage only, else None); query: [Hq, d]
-    (exact or layer-ahead) query; keys: callable returning offloaded K [Hkv, S, d].
+    (exact or layer-ahead) query; keys: callable returning offloaded K [Hkv, S, d];
+    seq: the sequence of the batch.
     """
     layer: int
     k: int
@@ -38,6 +41,7 @@ class SelectionRequest:
     logits: torch.Tensor | None = None
     query: torch.Tensor | None = None
     keys: object = None
+    seq: int = 0
 
 
 def _topk_sorted(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -55,14 +59,15 @@ def head_aggregated_score(logits: torch.Tensor) -> torch.Tensor:
 class TokenSelector:
     name = "base"
     stage = "post"
+    observes = False  # does it learn from the probabilities the accelerator used (``observe``)?
 
     def select(self, req: SelectionRequest) -> torch.Tensor:
         raise NotImplementedError
 
-    def observe(self, layer: int, positions: torch.Tensor, probs: torch.Tensor) -> None:
+    def observe(self, layer: int, positions: torch.Tensor, probs: torch.Tensor, seq: int = 0) -> None:
         """positions: [N] attended tokens, probs: [Hq, N] their attention probabilities."""
 
-    def prepare(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    def prepare(self, layer: int, q: torch.Tensor, k: torch.Tensor, seq: int = 0) -> None:
         """Prefill hook. q: [Hq, T, d], k: [Hkv, T, d]."""
 
 
@@ -121,20 +126,21 @@ class AccumulatedScore(TokenSelector):
     """
     name = "h2o"
     stage = "post"
+    observes = True
 
     def __init__(self):
-        self.acc: dict[int, dict[int, float]] = {}
-        self.dropped: dict[int, set[int]] = {}
+        self.acc: dict[tuple[int, int], dict[int, float]] = {}   # (seq, layer) -> position -> score
+        self.dropped: dict[tuple[int, int], set[int]] = {}
 
-    def _current(self, logits: torch.Tensor) -> torch.Tensor:
+    def _current(self, logits: torch.Tensor, seq: int) -> torch.Tensor:
         return head_aggregated_score(logits)
 
     def select(self, req):
-        acc = self.acc.setdefault(req.layer, {})
-        dropped = self.dropped.setdefault(req.layer, set())
+        acc = self.acc.setdefault((req.seq, req.layer), {})
+        dropped = self.dropped.setdefault((req.seq, req.layer), set())
         pos = req.positions.tolist()
         alive = torch.tensor([p not in dropped for p in pos], dtype=torch.bool)
-        score = self._current(req.logits) + torch.tensor([acc.get(p, 0.0) for p in pos])
+        score = self._current(req.logits, req.seq) + torch.tensor([acc.get(p, 0.0) for p in pos])
         score[~alive] = float("-inf")
         k = min(req.k, int(alive.sum()))
         chosen = _topk_sorted(score, k) if k < len(pos) else torch.arange(len(pos))
@@ -143,8 +149,8 @@ class AccumulatedScore(TokenSelector):
         dropped.update(p for i, p in enumerate(pos) if i not in keep)
         return chosen
 
-    def observe(self, layer, positions, probs):
-        acc = self.acc.setdefault(layer, {})
+    def observe(self, layer, positions, probs, seq=0):
+        acc = self.acc.setdefault((seq, layer), {})
         for p, s in zip(positions.tolist(), probs.sum(0).tolist()):
             acc[p] = acc.get(p, 0.0) + s
 
@@ -155,19 +161,20 @@ class Keyformer(AccumulatedScore):
 
     def __init__(self, tau: float = 1.0, seed: int = 0):
         super().__init__()
-        self.tau = tau
-        self.gen = torch.Generator().manual_seed(seed)
+        self.tau, self.seed = tau, seed
+        self.gens: dict[int, torch.Generator] = {}  # one stream per sequence, each seeded alike
 
-    def _gumbel(self, shape) -> torch.Tensor:
-        u = torch.rand(shape, generator=self.gen).clamp_(1e-9, 1 - 1e-9)
+    def _gumbel(self, shape, seq: int) -> torch.Tensor:
+        gen = self.gens.setdefault(seq, torch.Generator().manual_seed(self.seed))
+        u = torch.rand(shape, generator=gen).clamp_(1e-9, 1 - 1e-9)
         return -torch.log(-torch.log(u))
 
-    def _current(self, logits):
-        return torch.softmax((logits + self._gumbel(logits.shape)) / self.tau, -1).sum(0)
+    def _current(self, logits, seq):
+        return torch.softmax((logits + self._gumbel(logits.shape, seq)) / self.tau, -1).sum(0)
 
-    def observe(self, layer, positions, probs):
+    def observe(self, layer, positions, probs, seq=0):
         logp = torch.log(probs.clamp_min(1e-30))
-        super().observe(layer, positions, torch.softmax((logp + self._gumbel(probs.shape)) / self.tau, -1))
+        super().observe(layer, positions, torch.softmax((logp + self._gumbel(probs.shape, seq)) / self.tau, -1), seq)
 
 
 class InfiniGenSpeculation(TokenSelector):
@@ -180,22 +187,22 @@ class InfiniGenSpeculation(TokenSelector):
     name = "infinigen"
     stage = "pre"
 
-    def __init__(self, channel_fraction: float = 0.25):
+    def __init__(self, channel_fraction: float = INFINIGEN_CHANNEL_FRACTION):
         if not 0 < channel_fraction <= 1:
             raise ValueError(f"channel_fraction {channel_fraction} must be in (0, 1]")
         self.channel_fraction = channel_fraction
-        self.channels: dict[int, torch.Tensor] = {}
+        self.channels: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [Hkv, n]
 
-    def prepare(self, layer, q, k):
+    def prepare(self, layer, q, k, seq=0):
         hkv, _, d = k.shape
         qa = q.abs().reshape(hkv, -1, q.shape[1], d).sum((1, 2))  # [Hkv, d]
         importance = qa * k.abs().sum(1)
         n = max(1, int(round(self.channel_fraction * d)))
-        self.channels[layer] = torch.topk(importance, n, dim=-1).indices.cpu()  # [Hkv, n]
+        self.channels[(seq, layer)] = torch.topk(importance, n, dim=-1).indices.cpu()  # [Hkv, n]
 
     def select(self, req):
         keys = req.keys()  # [Hkv, S, d]
-        chans = self.channels.get(req.layer)
+        chans = self.channels.get((req.seq, req.layer))
         if chans is None:
             return _topk_sorted(head_aggregated_score(attention_logits(req.query[None], keys[None])[0]), req.k)
         hkv = keys.shape[0]

@@ -1,5 +1,6 @@
 """HybridGen on the real SmolLM2-135M (loaded once for this module)."""
 
+import functools
 import json
 
 import pytest
@@ -13,14 +14,21 @@ from host_runtime.hybridgen.model import SmolLM2
 from host_runtime.hybridgen.tokenizer import Tokenizer
 
 PROMPT = "Write a short story about a robot who learns to paint."
+ROW_BYTES_ALL_LAYERS = 30 * 3 * 64 * 4  # one token's K (or V) over SmolLM2's 30 layers, fp32
+
+
+@functools.cache
+def load_smol():
+    """SmolLM2 and its tokenizer, loaded once per test session (the other hybridgen test modules import this)."""
+    model = SmolLM2.load()
+    return model, Tokenizer.from_gguf(model.tokenizer_reader)
 
 
 @pytest.fixture(scope="module")
 def smol():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # decode-sized ops: one thread avoids contention on a small shared box
-    model = SmolLM2.load()
-    yield model, Tokenizer.from_gguf(model.tokenizer_reader)
+    yield load_smol()
     torch.set_num_threads(threads)
 
 
@@ -53,7 +61,7 @@ def test_decode_step_equals_prefill(smol):
     model, tok = smol
     ids = tok.encode(long_english_text())[:40]
     with Engine(model, EngineOptions(method="hybridgen", selection=False, layer_ahead=False, resident_budget=7,
-                                     v_dram_tokens=9, capacity=64)) as eng:
+                                     host_dram_bytes=0, capacity=64)) as eng:  # every row in the CXL tier
         eng.prefill(torch.tensor(ids[:-1]))
         step_logits = eng.step(ids[-1])
     ref = model.prefill(torch.tensor(ids))[0][-1]
@@ -65,13 +73,15 @@ def test_greedy_64_tokens_identical_full_vs_hybridgen_without_selection(smol):
     ids = tok.encode(tok.chat_prompt(PROMPT))
     with Engine(model, EngineOptions(method="full", capacity=160)) as eng:
         full = eng.generate(ids, 64)
-    # 16 tokens resident, the rest offloaded: K in DRAM, V past 24 rows in the emulated CXL device
+    # 16 tokens resident, the rest offloaded into 100 rows per layer of host DRAM: K stays there, the oldest V
+    # rows move to the emulated CXL device
     with Engine(model, EngineOptions(method="hybridgen", selection=False, layer_ahead=False, resident_budget=16,
-                                     v_dram_tokens=24, capacity=160)) as eng:
+                                     host_dram_bytes=100 * ROW_BYTES_ALL_LAYERS, capacity=160)) as eng:
         hybrid = eng.generate(ids, 64)
         last = eng.steps[-1]
     assert len(full) == 64 and hybrid == full
-    assert last.offloaded > 24 and last.bytes["cxl_read"] > 0 and last.bytes["dram_read"] > 0
+    assert last.offloaded > 50 and last.bytes["cxl_read"] > 0 and last.bytes["dram_read"] > 0
+    assert last.k_in_cxl == 0 < last.v_in_cxl
 
 
 def test_selection_changes_what_is_attended(smol):
@@ -92,7 +102,7 @@ def test_every_method_generates(smol):
     model, tok = smol
     ids = tok.encode(long_english_text())[:48]
     for method in ("flexgen", "moe-lightning", "h2o", "keyformer", "streamingllm", "infinigen"):
-        with Engine(model, EngineOptions(method=method, resident_budget=8, k_min=8, window=16, v_dram_tokens=8,
+        with Engine(model, EngineOptions(method=method, resident_budget=8, k_min=8, window=16, host_dram_bytes=0,
                                          capacity=64)) as eng:
             out = eng.generate(ids, 3)
             assert len(out) == 3 and len(eng.steps) == 2, method
@@ -126,10 +136,10 @@ def test_similarity_of_consecutive_layer_inputs(smol):
 
 def test_eval_rows_full_vs_static_window(smol):
     model, tok = smol
-    settings = EvalSettings(context_tokens=96, scored_tokens=8, passkey_tokens=96, passkey_depths=(0.1, 0.9))
-    methods = {"full": EngineOptions(method="full"),
-               "streamingllm": EngineOptions(method="streamingllm", resident_budget=8, window=16)}
-    rows = {r["method"]: r for r in evaluate_methods(model, tok, methods, settings)}
+    settings = EvalSettings(context_tokens=96, scored_tokens=8, passkey_tokens=96, passkey_depths=(0.1, 0.9),
+                            k_min=8, window=16)
+    base = EngineOptions(resident_budget=8)
+    rows = {r["method"]: r for r in evaluate_methods(model, tok, ["full", "streamingllm"], base, settings)}
     assert rows["full"]["agreement"] == 1.0
     assert rows["full"]["passkey_accuracy"] == 1.0
     assert rows["streamingllm"]["passkey_accuracy"] < 1.0  # the key at depth 0.1 is outside its window
@@ -169,7 +179,9 @@ def test_eval_command_json(loaded, capsys):
     assert args.func(args) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["full", "hybridgen"]
-    assert set(rows[0]) == {"method", "perplexity", "agreement", "passkey_accuracy"}
+    assert set(rows[0]) == {"method", "perplexity", "agreement", "passkey_accuracy", "k_range", "post_qkt_fraction",
+                            "offloaded", "decode_ms_per_token"}
+    assert rows[1]["k_range"] == [8, 8] and rows[1]["post_qkt_fraction"] == 1.0
 
 
 def test_similarity_command(loaded, capsys):

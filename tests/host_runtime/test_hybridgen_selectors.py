@@ -65,4 +65,4 @@ def test_infinigen_with_all_channels_equals_topk():
 def test_infinigen_partial_channels_use_fewer_channels():
     sel = InfiniGenSpeculation(channel_fraction=0.25)
     sel.prepare(3, torch.randn(9, 5, 64), torch.randn(3, 5, 64))
-    assert sel.channels[3].shape == (3, 16)
+    assert sel.channels[(0, 3)].shape == (3, 16)

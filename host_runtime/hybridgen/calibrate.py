@@ -1,0 +1,173 @@
+"""A platform file describing this machine, measured, for checking the model against ``generate``.
+
+The paper's platforms (A, B, C) are described by spec sheets; this machine is
+measured instead. With the file, the model's CPU and transfer times of a step
+come within ±25 % of what the engine measures (``test_hybridgen_calibration``)
+only if the model's mechanisms scale right: everything measured here is a rate
+or a cost at (almost) zero tokens, and the check runs at a thousand.
+
+* rates (micro-benchmarks): memory read bandwidth (a sum over a buffer far larger
+  than the caches), the logits kernel's FLOP rate on rows that stay in cache, the
+  accelerator's logits FLOP rate likewise, the copy bandwidth of a row gather
+  from host DRAM, the CXL tier's bandwidth on a large read of written rows and
+  the cost of staging a layer's V region on it (prefetch, wait, release: its
+  "latency", paid once per transfer);
+* fixed costs per layer, in the engine itself, on a short generation with a few
+  offloaded tokens and K = 1: the CPU job (layer-ahead query, logits, top-K, the
+  hand-off between threads, and on this machine the contention between the two
+  threads), the transfer from host DRAM, the accelerator's layer less its weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from statistics import median
+
+import numpy as np
+import torch
+
+from .attention import attention_logits, cpu_logits_rows
+from .names import POST
+from .selectors import SelectionRequest, TopKLogits
+
+BANDWIDTH_BUFFER_BYTES = 256 << 20   # far beyond the last-level cache
+GATHER_BUFFER_BYTES = 64 << 20       # rows gathered from host DRAM for the copy bandwidth
+CACHED_TOKENS = 256                  # K rows that stay in L2 for the FLOP rates
+CXL_BANDWIDTH_BYTES = 4 << 20        # one large read of written rows from the CXL tier
+REPEATS = 31                         # micro-benchmarks: median of this many calls
+IN_SITU_PROMPT = 256                 # the short generation: prompt tokens ...
+IN_SITU_RESIDENT = 2                 # ... of which this many stay on the accelerator
+IN_SITU_K = 64                       # selected offloaded tokens per layer
+IN_SITU_STEPS = 17                   # decode steps; the first (cold) is dropped
+
+
+def timed(fn, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn()`` after one warm-up call."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return median(out)
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """bytes/s of a reduction over a buffer much larger than the caches."""
+    buf = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run():
+        buf.sum()
+        sync()
+    return BANDWIDTH_BUFFER_BYTES / timed(run, 7)
+
+
+def gather_bandwidth(row_floats: int) -> float:
+    """bytes/s (read + write) of ``index_select`` of every other row out of a large DRAM array."""
+    rows = torch.randn(GATHER_BUFFER_BYTES // (4 * row_floats), row_floats)
+    idx = torch.arange(0, rows.shape[0], 2)
+    return 2 * idx.numel() * row_floats * 4 / timed(lambda: rows.index_select(0, idx), 7)
+
+
+def logits_flops(fn, n_heads: int, head_dim: int) -> float:
+    """flop/s of a logits function over ``CACHED_TOKENS`` cache-resident rows."""
+    return 2 * n_heads * head_dim * CACHED_TOKENS / timed(fn)
+
+
+def cxl_costs(cxl, region_bytes: int) -> tuple[float, float]:
+    """(bytes/s of one large read, seconds of one prefetch + wait + release of ``region_bytes``) of the CXL tier,
+    on rows just written to it."""
+    data = np.random.default_rng(0).bytes(CXL_BANDWIDTH_BYTES)
+    chunk = max(cxl.info()["page_size"], cxl.info().get("write_buffer_bytes", 0) // 4)
+    for off in range(0, CXL_BANDWIDTH_BYTES, chunk):
+        cxl.write(off, data[off:off + chunk])
+
+    def staged():
+        handle = cxl.prefetch(0, region_bytes)
+        cxl.wait(handle)
+        cxl.release(handle)
+    return CXL_BANDWIDTH_BYTES / timed(lambda: cxl.read(0, CXL_BANDWIDTH_BYTES), 7), timed(staged)
+
+
+def in_situ(model, host_dram_bytes: float) -> dict[str, float]:
+    """Per-layer medians over the steps of a short generation with K = IN_SITU_K, post-QKᵀ:
+    t_cpu, t_tx, t_gpu (seconds) and cxl_reads (read requests)."""
+    from .engine import Engine, EngineOptions
+
+    opts = EngineOptions(method="hybridgen", strategy=POST, k_min=IN_SITU_K, k_max=IN_SITU_K,
+                         resident_budget=IN_SITU_RESIDENT, host_dram_bytes=host_dram_bytes,
+                         capacity=IN_SITU_PROMPT + IN_SITU_STEPS + 2)
+    with Engine(model, opts) as eng:
+        eng.generate(list(range(100, 100 + IN_SITU_PROMPT)), IN_SITU_STEPS + 1)
+        steps, layers = eng.steps[1:], model.cfg.n_layers
+    out = {f: median(getattr(s, f) for s in steps) / layers for f in ("t_cpu", "t_tx", "t_gpu")}
+    out["cxl_reads"] = median(s.cxl_reads for s in steps) / layers
+    return out
+
+
+def measure(model) -> dict:
+    """The platform table (the same shape as ``platforms/A.toml``) of this machine."""
+    from .engine import accelerator_device
+    from .tiers import open_cxl_tier
+
+    cfg = model.cfg
+    accel = accelerator_device()
+    row_bytes = cfg.n_kv_heads * cfg.head_dim * 4
+    cpu_bw = read_bandwidth(torch.device("cpu"))
+    gpu_bw = cpu_bw if accel.type == "cpu" else read_bandwidth(accel)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(cfg.n_heads, cfg.head_dim, generator=g), torch.randn(cfg.n_kv_heads, CACHED_TOKENS,
+                                                                            cfg.head_dim, generator=g)
+    rows = k.transpose(0, 1).reshape(CACHED_TOKENS, -1).contiguous()
+    selector, positions = TopKLogits(), torch.arange(CACHED_TOKENS)
+
+    def logits_and_top_k():  # the CPU job's per-token work
+        logits = cpu_logits_rows(q, rows)
+        selector.select(SelectionRequest(layer=0, k=IN_SITU_K, positions=positions, n_tokens=CACHED_TOKENS,
+                                         logits=logits))
+    cpu_flops = logits_flops(logits_and_top_k, cfg.n_heads, cfg.head_dim)
+    qa, ka = q[None].to(accel), k[None].to(accel)
+    gpu_flops = logits_flops(lambda: attention_logits(qa, ka), cfg.n_heads, cfg.head_dim)
+    with open_cxl_tier() as dev:  # a layer's V region of the short generation, staged ahead (engine.prefetch)
+        (cxl_bw, cxl_staging), cxl_capacity = cxl_costs(dev, IN_SITU_PROMPT * row_bytes), dev.info()["capacity_bytes"]
+    dram = in_situ(model, host_dram_bytes=math.inf)  # every row in host DRAM
+    cxl = in_situ(model, host_dram_bytes=0)          # every row in the CXL tier (the K scan too: its t_cpu is unused)
+    gather_bw = gather_bandwidth(row_bytes // 4)
+    offloaded = IN_SITU_PROMPT - IN_SITU_RESIDENT  # about: the context grows by one token per step
+    scan = max(offloaded * row_bytes / cpu_bw, 2 * cfg.n_heads * cfg.head_dim * offloaded / cpu_flops)
+    cxl_request = max(0.0, cxl["t_tx"] - dram["t_tx"] - cxl_staging - IN_SITU_K * row_bytes / cxl_bw) / max(
+        cxl["cxl_reads"], 1)
+    weights = sum(t.numel() for name, t in model.w.items() if name.startswith("blk.0.")) * 4
+    return {
+        "name": f"this machine ({os.cpu_count()} CPUs, accelerator: torch {accel.type}), measured",
+        "gpu": {"name": f"torch device {accel.type}", "memory_bandwidth_gbps": gpu_bw / 1e9,
+                "attention_tflops": gpu_flops / 1e12,
+                "layer_overhead_us": max(0.0, dram["t_gpu"] - weights / gpu_bw) * 1e6,
+                "kernel_launch_us": 0.0},
+        "cpu": {"name": "this machine's CPU", "memory_bandwidth_gbps": cpu_bw / 1e9,
+                "attention_gflops": cpu_flops / 1e9, "task_overhead_us": max(0.0, dram["t_cpu"] - scan) * 1e6,
+                "host_dram_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9},
+        "link": {"name": "host DRAM -> accelerator tensors (a row gather)",
+                 "bandwidth_gbps": gather_bw / 1e9,
+                 "latency_us": max(0.0, dram["t_tx"] - IN_SITU_K * row_bytes / gather_bw) * 1e6},
+        "cxl": {"name": "emulated CXL-HM device (in process)", "capacity_gb": cxl_capacity / 1e9,
+                "bandwidth_gbps": cxl_bw / 1e9, "latency_us": cxl_staging * 1e6,
+                "request_overhead_us": cxl_request * 1e6},
+        "scenario": {"gpu_kv_fraction": 0.1, "element_bytes": 4},
+    }
+
+
+def to_toml(table: dict) -> str:
+    """The table as TOML, tagged: every number is measured here, except the two scenario fields."""
+    lines = [f'# {table["name"]}: written by `chm hybridgen calibrate`. Every number [measured] on this machine',
+             "# (see host_runtime/hybridgen/calibrate.py), except [scenario]: gpu_kv_fraction is unused by the",
+             "# engine's steps (they carry their own split) and element_bytes is the engine's fp32 rows.",
+             f'name = "{table["name"]}"']
+    for section in ("gpu", "cpu", "link", "cxl", "scenario"):
+        lines.append(f"\n[{section}]")
+        for key, value in table[section].items():
+            lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value:.6g}")
+    return "\n".join(lines) + "\n"
