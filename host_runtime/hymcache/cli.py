@@ -59,9 +59,7 @@ def register(sub) -> None:
                                   "tcp port: a Master, NODES x DEVICES `chm serve` devices, one KV Manager per node. "
                                   "Prints the addresses and one JSON line; Ctrl-C or SIGTERM stops them all "
                                   "(managers, master, devices).")
-    u.add_argument("--nodes", type=int_at_least(1), default=1, help="storage nodes (default 1)")
-    u.add_argument("--devices-per-node", type=int_at_least(1), default=2, help="devices per node (default 2)")
-    u.add_argument("--profile", default="small", help="device profile for chm serve (default small)")
+    _set_shape_args(u, "")
     u.add_argument("--media-root", metavar="DIR",
                    help="keep each device's media in DIR/node<N>-dev<D> (default: temporary, removed at exit)")
     u.add_argument("--set", dest="device_overrides", action="append", default=[], type=_override,
@@ -135,11 +133,16 @@ def register(sub) -> None:
     c.add_argument("--conversations", type=int_at_least(1), default=3, help="conversations (default 3)")
     c.add_argument("--master", metavar="ADDR", help="a running set's Master (default: start one)")
     c.add_argument("--curve-keys", metavar="DIR", help="CurveZMQ key directory of the set")
-    c.add_argument("--nodes", type=int_at_least(1), default=1, help="nodes of the set it starts (default 1)")
-    c.add_argument("--devices-per-node", type=int_at_least(1), default=2, help="devices per node (default 2)")
-    c.add_argument("--profile", default="small", help="device profile of the set it starts (default small)")
+    _set_shape_args(c, " of the set it starts")
     c.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     c.set_defaults(func=_chat)
+
+
+def _set_shape_args(p, whose: str) -> None:
+    """The shape of a set `up` or `chat` starts: one definition of its options and defaults."""
+    p.add_argument("--nodes", type=int_at_least(1), default=1, help=f"storage nodes{whose} (default 1)")
+    p.add_argument("--devices-per-node", type=int_at_least(1), default=2, help=f"devices per node{whose} (default 2)")
+    p.add_argument("--profile", default="small", help=f"chm serve's device profile{whose} (default small)")
 
 
 def _common_server_args(p) -> None:
