@@ -19,7 +19,7 @@ import sys
 from importlib.metadata import entry_points
 
 from .errors import ChmError
-from .units import format_bytes  # noqa: F401  (chm's tools import it from here too)
+from .units import format_bytes
 
 # the parser of the (innermost) subcommand that parsed the arguments: run() prints its usage and prog
 _PARSER_ATTR = "_chm_parser"
