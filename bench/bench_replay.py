@@ -5,7 +5,14 @@ The peer is the cheapest thing that could answer "hit or miss?" for the same pag
 controller replay does all of those, so the ratio says what the full device model costs.
 The paper-scale runs (and their own speeds) are ``make repro``.
 
-Second, what a trace's span costs: the same requests with ``--time-scale 1000`` (1000 times the
+Second, the device path against libCacheSim (issue 11's replay-speed goal): ``--sequential`` lru in the
+oracle test's setting (the whole Mooncake conversation trace, one 2 MiB page per hash id, DRAM of
+``ORACLE_DRAM_PAGES`` pages), the replay's recorded device operations run through a fresh controller (the
+host-side KV index is not part of the figure), beside ``libcachesim``'s ``process_trace`` LRU on the same
+page accesses; medians of ``ORACLE_RUNS`` interleaved runs, misses checked equal. Goal: at least
+``LIBCACHESIM_SPEED_GOAL`` of libCacheSim's rate.
+
+Third, what a trace's span costs: the same requests with ``--time-scale 1000`` (1000 times the
 virtual time, the same work) beside ``--time-scale 1``. Virtual time jumps from event to event, so
 idle time should cost nothing: the goal is a ratio of at most ``SPAN_COST_GOAL``.
 """
@@ -15,9 +22,17 @@ from __future__ import annotations
 import resource
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import libcachesim as lcs
+
+from emulator.config import load_profile
+from emulator.controller import Controller
 from host_runtime.replay import MooncakeTrace, Replay, get_model, replay_config
+from host_runtime.replay.lcs_trace import write_oracle_general
+from host_runtime.replay.traces import MOONCAKE_TOKENS_PER_HASH
 from host_runtime.replay.reference import ordered_dict_lru
 from emulator.shared_data import mooncake_conversation_trace
 
@@ -26,6 +41,9 @@ SPAN_REQUESTS = 100  # the time-scale comparison's prefix: ~1 s a replay, 20 rep
 SPAN_RUNS = 5  # replays per setting, the settings interleaved; the median counts
 TIME_SCALES = (1.0, 1000.0)
 SPAN_COST_GOAL = 1.5  # wall time at --time-scale 1000 over --time-scale 1
+ORACLE_DRAM_PAGES = 16384  # one of the oracle test's cache sizes
+ORACLE_RUNS = 5
+LIBCACHESIM_SPEED_GOAL = 0.9  # device-path page accesses/s over libCacheSim process_trace's
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +65,72 @@ def main(argv: list[str] | None = None) -> int:
             blocks = len(rp.ops)
             print(f"  {'peer: OrderedDict LRU, same pages':<34} {blocks / wall:>12.0f} {pages / wall:>12.0f} {wall:>7.1f}")
     print(f"  peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    device_path_vs_libcachesim()
     span_cost(block)
     return 0
+
+
+def _device_path(cfg, ops: list[tuple[str, int, int]]) -> tuple[float, int]:
+    """The recorded sequential operations (one page each) through a fresh controller: (wall s, page misses:
+    read misses plus first-touch writes)."""
+    ctl = Controller(cfg, None)
+    read, write, flush, write_lookup = ctl.read, ctl.write, ctl.flush, ctl.policy.write_lookup
+    page = cfg.device.page_size_bytes
+    now, write_misses = 0.0, 0
+    t0 = time.perf_counter()
+    for kind, addr, length in ops:
+        if kind == "read":
+            now = read(addr, length, now)
+        else:  # sequential: every write is drained before the next access
+            write_misses += write_lookup(addr // page) is None
+            now = flush(write(addr, None, length, now))
+    wall = time.perf_counter() - t0
+    return wall, ctl.stats["page_misses"] + write_misses
+
+
+def _libcachesim_lru(path: Path, pages: int) -> tuple[float, int, int]:
+    """libCacheSim's LRU of ``pages`` objects over an oracleGeneral file: (process_trace wall s, requests, misses)."""
+    reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
+    cache = lcs.LRU(pages)
+    t0 = time.perf_counter()
+    miss_ratio, _ = cache.process_trace(reader)
+    wall = time.perf_counter() - t0
+    n = reader.get_num_of_req()
+    return wall, n, round(miss_ratio * n)
+
+
+def device_path_vs_libcachesim() -> None:
+    page = load_profile("paper").device.page_size_bytes
+    overrides = {"dram.size_bytes": ORACLE_DRAM_PAGES * page, "policy.prefetch_window_bytes": page}
+    cfg = replay_config("paper", "lru", overrides)
+    trace = MooncakeTrace(mooncake_conversation_trace(), block_bytes=page, tokens_per_block=MOONCAKE_TOKENS_PER_HASH)
+    replay = Replay(cfg, "lru", trace, progress=sys.stderr.isatty(), record_ops=True, sequential=True)
+    expected = replay.run()["cache"]
+    ops = replay.ops
+    pages = [addr // page for _, addr, _ in ops]  # one page per block in this setting
+    print(f"Device path vs libCacheSim: whole Mooncake conversation trace, --sequential lru, {len(pages):,} page "
+          f"accesses, {ORACLE_DRAM_PAGES} pages of DRAM; median of {ORACLE_RUNS} interleaved runs "
+          f"(goal: at least {LIBCACHESIM_SPEED_GOAL:g}x libCacheSim)")
+    with tempfile.TemporaryDirectory(prefix="chm-bench-replay-") as tmp:
+        path = write_oracle_general(Path(tmp) / "mooncake-pages.oracleGeneral", ((0, p, 1) for p in pages))
+        walls: dict[str, list[float]] = {"device": [], "libcachesim": []}
+        for _ in range(ORACLE_RUNS):
+            wall, misses = _device_path(cfg, ops)
+            walls["device"].append(wall)
+            lcs_wall, n, lcs_misses = _libcachesim_lru(path, ORACLE_DRAM_PAGES)
+            walls["libcachesim"].append(lcs_wall)
+            if not (misses == lcs_misses == expected["misses"] and n == len(pages)):
+                raise AssertionError(f"misses differ: device path {misses}, replay {expected['misses']}, "
+                                     f"libCacheSim {lcs_misses} (of {n} requests, {len(pages)} pages)")
+    rates = {name: len(pages) / statistics.median(w) for name, w in walls.items()}
+    ratio = rates["device"] / rates["libcachesim"]
+    met = "goal met" if ratio >= LIBCACHESIM_SPEED_GOAL else "goal MISSED"
+    print(f"  {'path':<44} {'page acc/s':>12} {'wall s':>7} {'misses':>8}")
+    print(f"  {'device: Controller.read/write/flush':<44} {rates['device']:>12,.0f} "
+          f"{statistics.median(walls['device']):>7.2f} {expected['misses']:>8,}")
+    print(f"  {'peer: libcachesim LRU process_trace':<44} {rates['libcachesim']:>12,.0f} "
+          f"{statistics.median(walls['libcachesim']):>7.2f} {lcs_misses:>8,}")
+    print(f"  ratio {ratio:.3f}x ({met})")
 
 
 def span_cost(block: int) -> None:

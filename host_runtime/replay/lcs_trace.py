@@ -28,6 +28,18 @@ from typing import Any, Iterator, Mapping
 
 from .traces import Phase, Request, Stream
 
+# libCacheSim's oracleGeneral record: time (s), obj_id, obj_size, next access (-1: unknown)
+ORACLE_GENERAL_RECORD = struct.Struct("<IQIq")
+
+
+def write_oracle_general(path: str | os.PathLike, requests) -> Path:
+    """Write ``(time s, obj_id, obj_size)`` requests as an oracleGeneral trace (tests and benches)."""
+    path = Path(path)
+    with path.open("wb") as f:
+        for t, obj, size in requests:
+            f.write(ORACLE_GENERAL_RECORD.pack(t, obj, size, -1))
+    return path
+
 # chm replay --trace-format NAME -> libcachesim.TraceType member; names as libCacheSim's cachesim spells them.
 TRACE_FORMATS: dict[str, str] = {
     "csv": "CSV_TRACE",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import struct
 import subprocess
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from emulator.cli import main as chm_main
 from emulator.config import load_profile
 from host_runtime.replay import LibCacheSimTrace, Replay, parse_trace_params, replay_config
-from host_runtime.replay.lcs_trace import TRACE_FORMATS
+from host_runtime.replay.lcs_trace import TRACE_FORMATS, write_oracle_general
 
 from .test_replay_oracle import libcachesim_misses
 
@@ -25,7 +24,6 @@ PAGE = load_profile(PROFILE).device.page_size_bytes  # 64 KiB
 DRAM_PAGES = 64
 # a device of DRAM_PAGES pages, all cache (lru), and the smallest prefetch window
 DRAM_OVERRIDES = {"dram.size_bytes": DRAM_PAGES * PAGE, "policy.prefetch_window_bytes": PAGE}
-ORACLE_GENERAL = struct.Struct("<IQIq")  # libCacheSim's oracleGeneral record: time, obj_id, obj_size, next access
 CHM = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "chm"
 
 
@@ -38,13 +36,6 @@ def skewed_requests(n: int, objects: int, max_size: int, seed: int = 1) -> list[
         obj = int(objects * rng.random() ** 3)
         out.append((i // 10, 1000 + obj, sizes[obj]))
     return out
-
-
-def write_oracle_general(path: Path, requests) -> Path:
-    with path.open("wb") as f:
-        for t, obj, size in requests:
-            f.write(ORACLE_GENERAL.pack(t, obj, size, -1))
-    return path
 
 
 def libcachesim_file_misses(path: Path, fmt: str, params: dict, pages: int) -> tuple[int, int]:
