@@ -8,6 +8,7 @@ call's ``last_latency_ns`` tell how long the modelled hardware would take.
 from __future__ import annotations
 
 import errno
+import math
 import shutil
 import tempfile
 import time
@@ -124,8 +125,8 @@ class Device:
 
     def idle(self, ns: float) -> None:
         """Let ``ns`` of virtual time pass with no command (background flushing runs)."""
-        if ns < 0:
-            raise ChmError(errno.EINVAL, f"idle time {ns!r} must be >= 0")
+        if isinstance(ns, bool) or not isinstance(ns, (int, float)) or not 0 <= ns < math.inf:  # NaN fails too
+            raise ChmError(errno.EINVAL, f"idle time {ns!r} is outside the allowed range: a finite number of ns >= 0")
         self.clock_ns += ns
         self.controller.tick(self.clock_ns)
 
