@@ -122,6 +122,7 @@ class Device:
             _raise(ret, what)
         self._dev = out[0]
         self._info = ffi.new("struct chm_info *")
+        self._completions = ffi.new("struct chm_completion[]", wire.CHM_MAX_ENTRIES)  # reap's, allocated once
         info = self.info()
         self._capacity, self._staging_bytes = info["capacity_bytes"], info["staging_bytes"]
         self._last_latency_ns = 0
@@ -255,7 +256,7 @@ class Device:
         latency ns)``; waits until at least ``min_wait`` are there (EINVAL if more than are in flight)."""
         max_completions = _in_range("max_completions", max_completions, 1, wire.CHM_MAX_ENTRIES)
         min_wait = _in_range("min_wait", min_wait, 0, max_completions)
-        out = ffi.new("struct chm_completion[]", max_completions)
+        out = self._completions
         n = self._finish(lib.chm_reap(self.dev, out, max_completions, min_wait), f"reap waiting for {min_wait} completions (no more than are in flight)")
         return [(out[i].user_data, out[i].res, out[i].latency_ns) for i in range(n)]
 
