@@ -6,7 +6,12 @@
 Experiments (all in virtual time on the emulator's controller, data off):
 
 * ``fig5``      -- cmmh profile (256 GiB DRAM as LRU, 200 Gbps link), 64 requests x 32 blocks per
-                   turn, 16/64/168 MiB blocks: read bandwidth per turn and the turn it collapses.
+                   turn, 16/64/168 MiB blocks: read bandwidth per turn and the turn it collapses. Then
+                   the same workload on the paper prototype, lru and hymcache side by side with the
+                   cost of what was not served: blocks recomputed, their modelled prefill time (A100,
+                   host_runtime/replay/prefill.py) and the time to serve each turn including it; and
+                   hymcache with one mechanism changed (flushes also during reads; a 45% write buffer)
+                   to say which one is responsible.
 * ``hymcache``  -- paper profile (64 GiB DRAM) with hymcache, the same workload: read bandwidth
                    per turn, staging bounded by the windows, refused writes.
 * ``randread``  -- random whole-object reads from a populated 256 GiB region, hymcache with
@@ -32,6 +37,7 @@ OUT = ROOT / "bench" / "results" / "replay"
 MiB, GiB = 1 << 20, 1 << 30
 FIG5_TURNS = {16: 6, 64: 6, 168: 5}
 LINK_GBPS = 25.0
+PAGE = 2 * MiB  # the paper and cmmh profiles' page
 
 
 def _run(spec: dict) -> dict:
@@ -46,7 +52,7 @@ def _run(spec: dict) -> dict:
         w = RandomReadBench(spec["block_mib"] * MiB, 256 * GiB, spec["clients"], spec["reads"], seed=1)
     else:
         w = MooncakeTrace(spec["trace"], get_model("llama-3.1-8b").block_bytes(128), 128)
-    rp = Replay(replay_config(spec["profile"], spec["policy"]), spec["policy"], w, bucket_ns=spec.get("window_s", 600) * 1e9,
+    rp = Replay(replay_config(spec["profile"], spec["policy"], spec.get("overrides")), spec["policy"], w, bucket_ns=spec.get("window_s", 600) * 1e9,
                 progress=sys.stderr.isatty(), record_ops=spec.get("reference", False))
     result = rp.run()
     if rp.ops is not None:  # the same page stream through a plain OrderedDict LRU
@@ -88,11 +94,26 @@ def _collapse_turn(rows: list[dict]) -> str:
     return "none"
 
 
+# fig5's counterfactuals: hymcache on the paper profile with one mechanism changed
+FIG5_HYMCACHE_CHANGES = {
+    "flush during reads": {"policy.flush_max_reads_in_flight": 1 << 20},  # read priority off: flush whenever due
+    "45% write buffer": {"policy.write_buffer_fraction": 0.45},  # 28.8 GiB buffer (the read staging keeps 35.2 GiB)
+}
+
+
 def fig5() -> None:
     print("== Figure 5: cmmh (256 GiB DRAM as LRU), 64 requests x 32 blocks per turn ==")
+    sizes = (16, 64, 168)
     specs = [{"name": f"fig5-{b}MiB", "workload": "microbench", "profile": "cmmh", "policy": "lru", "block_mib": b,
-              "turns": FIG5_TURNS[b]} for b in (16, 64, 168)]
-    results = _run_all(specs)
+              "turns": FIG5_TURNS[b]} for b in sizes]
+    paper = [{"name": f"fig5-paper-{p}-{b}MiB", "workload": "microbench", "profile": "paper", "policy": p,
+              "block_mib": b, "turns": FIG5_TURNS[b]} for b in sizes for p in ("lru", "hymcache")]
+    changed = [{"name": f"fig5-paper-hymcache-{b}MiB-{c.replace(' ', '-').replace('%', 'pct')}",
+                "workload": "microbench", "profile": "paper", "policy": "hymcache", "block_mib": b,
+                "turns": FIG5_TURNS[b], "overrides": ov, "change": c}
+               for b in sizes for c, ov in FIG5_HYMCACHE_CHANGES.items()]
+    everything = _run_all(specs + paper + changed)
+    results, paper_results, changed_results = everything[:3], everything[3:9], everything[9:]
     turns = max(FIG5_TURNS.values())
     print(f"  {'turn':>4}  " + "  ".join(f"{b:>4} MiB: read GB/s  hit %" for b in (16, 64, 168)))
     for t in range(turns):
@@ -106,8 +127,80 @@ def fig5() -> None:
         print(f"  {r['spec']['block_mib']:>3} MiB blocks: {foot / GiB:.0f} GiB per turn; collapse between turns "
               f"{_collapse_turn(r['rows'])}; collapsed read bandwidth {min(x['read_gbps'] for x in r['rows'][1:]):.2f} GB/s "
               f"(paper: ~5 GB/s; link {LINK_GBPS:g} GB/s)")
+    print("  recomputed blocks (cmmh lru): " + ", ".join(f"{r['spec']['block_mib']} MiB {r['total']['recomputed_blocks']}"
+                                                       for r in results))
     _save("fig5_cmmh_lru", results, "Figure 5: CMM-H-class LRU device, 64 req x 32 blocks/turn",
           [f"{r['spec']['block_mib']} MiB blocks" for r in results])
+    _fig5_recompute(results, paper_results, changed_results)
+
+
+def _fig5_recompute(cmmh: list[dict], paper: list[dict], changed: list[dict]) -> None:
+    """lru and hymcache side by side with what was not served counted (driver.py's docstring)."""
+    p = paper[1]["recompute"]
+    print(f"\n== Figure 5 with recomputation counted: paper profile (64 GiB DRAM, 2 SSDs), lru vs hymcache ==\n"
+          f"  an unserved block of an earlier turn is recomputed: prefill of {p['tokens_per_block']} tokens/block on "
+          f"{p['gpus']} x {p['gpu']} at {p['mfu']:.0%} of {p['peak_flops'] / 1e12:g} TFLOP/s\n"
+          f"  (16 MiB: llama-3.1-8b, 64 MiB: llama-2-7b, 168 MiB: opt-30b); serve s = read s + recomp s")
+    head = (f"  {'block':>7} {'turn':>5} | {'cmmh lru':>8} | {'lru: read GB/s':>14} {'blk read':>8} {'serve s':>8} | "
+            f"{'hymcache: read GB/s':>19} {'blk read':>8} {'refused':>7} {'recomp blk':>10} {'read s':>7} "
+            f"{'recomp s':>8} {'serve s':>8} | {'hym/lru':>7}")
+    print(head)
+    print("  " + "-" * (len(head) - 2))
+    for i, r in enumerate(cmmh):
+        b = r["spec"]["block_mib"]
+        lru, hym = paper[2 * i], paper[2 * i + 1]
+        for c, l, h in zip(r["rows"] + [r["total"]], lru["rows"] + [lru["total"]], hym["rows"] + [hym["total"]]):
+            ratio = f"{h['serve_s'] / l['serve_s']:.2f}x" if l["serve_s"] else "-"
+            print(f"  {b:>4} MiB {str(h['bucket']).replace('turn ', ''):>5} | {c['serve_s']:>8.2f} | "
+                  f"{l['read_gbps']:>14.2f} {l['blocks_read']:>8} {l['serve_s']:>8.2f} | {h['read_gbps']:>19.2f} "
+                  f"{h['blocks_read']:>8} {h['refused_writes']:>7} {h['recomputed_blocks']:>10} {h['read_s']:>7.2f} "
+                  f"{h['recompute_s']:>8.2f} {h['serve_s']:>8.2f} | {ratio:>7}")
+    print("  (cmmh lru: the Figure-5 device's serve s, nothing recomputed; lru on the paper profile recomputes "
+          f"{sum(x['total']['recomputed_blocks'] for x in paper[0::2])} blocks in all)")
+    print("\n  hymcache, one mechanism changed (totals over all turns):")
+    print(f"  {'block':>7}  {'hymcache':<20} {'written':>7} {'refused':>7} {'recomp blk':>10} {'read s':>7} "
+          f"{'recomp s':>8} {'serve s':>8}  {'flushed GiB':>11}  {'peak write buffer':>17}")
+    for i, r in enumerate(cmmh):
+        b = r["spec"]["block_mib"]
+        for name, x in [("as built", paper[2 * i + 1])] + [(c["spec"]["change"], c) for c in changed[2 * i:2 * i + 2]]:
+            t, d = x["total"], x["dram"]
+            print(f"  {b:>4} MiB  {name:<20} {t['blocks_written']:>7} {t['refused_writes']:>7} {t['recomputed_blocks']:>10} "
+                  f"{t['read_s']:>7.2f} {t['recompute_s']:>8.2f} {t['serve_s']:>8.2f}  "
+                  f"{x['device']['flushed_pages'] * PAGE / GiB:>11.1f}  "
+                  f"{d['peak_write_buffer_bytes'] / GiB:>7.1f} of {d['write_buffer_bytes'] / GiB:>4.1f} GiB")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "fig5_recompute.json").write_text(json.dumps(paper + changed, indent=1) + "\n")
+    _plot_fig5_recompute(paper, OUT / "fig5_recompute.png")
+    print(f"  wrote {OUT / 'fig5_recompute'}.json and .png")
+
+
+def _plot_fig5_recompute(paper: list[dict], path: Path) -> None:
+    """Per block size: each turn's serve time, device read (solid) + recomputation (hatched), lru beside hymcache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for ax, lru, hym in zip(axes, paper[0::2], paper[1::2]):
+        turns = [row["bucket"].replace("turn ", "") for row in lru["rows"]]
+        xs = range(len(turns))
+        for off, r, color in ((-0.2, lru, "tab:blue"), (0.2, hym, "tab:orange")):
+            read = [row["read_s"] for row in r["rows"]]
+            ax.bar([x + off for x in xs], read, 0.4, color=color, label=f"{r['policy']}: device read")
+            ax.bar([x + off for x in xs], [row["recompute_s"] for row in r["rows"]], 0.4, bottom=read, color=color,
+                   alpha=0.45, hatch="//", label=f"{r['policy']}: recomputation")
+        ax.set_xticks(list(xs), turns)
+        ax.set_xlabel("turn")
+        ax.set_title(f"{lru['workload']['block_bytes'] >> 20} MiB blocks ({lru['recompute']['model']})", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("time to serve the turn (s)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Figure 5 workload on the paper profile: serve time with recomputation counted (A100 prefill)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def hymcache() -> None:

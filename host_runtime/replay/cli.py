@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -14,7 +15,8 @@ from emulator.errors import ConfigError
 from .driver import DEFAULT_WINDOW_BYTES, VARIANTS, Replay, replay_config
 from .lcs_trace import TRACE_FORMATS, LibCacheSimTrace, parse_trace_params, trace_format
 from .models import MODELS, get_model, parse_bytes
-from .report import format_summary, format_table, write_outputs
+from .prefill import DEFAULT_GPU, FALLBACK_MODEL, gpu_names, load_gpu, prefill_for_block
+from .report import format_recompute, format_summary, format_table, write_outputs
 from .traces import (ConversationGenerator, HymcacheMicrobench, MooncakeTrace, RandomReadBench,
                      check_mooncake_tokens_per_block)
 
@@ -27,12 +29,14 @@ def register(sub) -> None:
         "replay", help="replay a trace or generated workload on the device model (virtual time, data off)",
         description="Replay a trace (Mooncake JSONL, or any format libCacheSim reads) or a generated workload on "
                     "the emulator's controller with emulation.data = false, and report per turn (or per time "
-                    "window) read/write bandwidth, DRAM hit rate, refused writes and modelled block-read latency. "
+                    "window) read/write bandwidth, DRAM hit rate, refused writes, modelled block-read latency, and "
+                    "the cost of what the device did not serve: blocks recomputed, their modelled prefill time on "
+                    "--gpu, and the time to serve the turn with it (device read time + recomputation). "
                     "Two policies are chosen separately: --policy is how requests use the device (what they "
                     "read, write and prefetch); --device-policy is the DRAM policy inside the device (default: the "
                     "one --policy implies). --sequential replays requests one at a time, in file order, with "
                     "write-back drained before each access, so the DRAM's misses equal a cache simulator's (e.g. "
-                    "libCacheSim's) on the same page sequence.",
+                    "libCacheSim's) on the same page sequence. --sweep runs a grid of such replays as Dask tasks.",
         epilog="example: chm replay TRACE.jsonl --sequential --device-policy lru,fifo --tokens-per-block 512 "
                "--block-bytes 2MiB --set dram.size_bytes=8589934592 --set policy.prefetch_window_bytes=2097152   "
                "(a device of 4096 2 MiB pages, one page per Mooncake hash id)",
@@ -67,13 +71,18 @@ def register(sub) -> None:
     g.add_argument("--ignore-obj-size", action="store_true",
                    help="libCacheSim formats: every object is one block, whatever its obj_size")
     g = p.add_argument_group("KV blocks")
-    g.add_argument("--model", default="llama-3.1-8b", type=str.lower, choices=list(MODELS),
-                   help="KV block size from the model table")
+    g.add_argument("--model", type=str.lower, choices=list(MODELS),
+                   help=f"KV block size from the model table (default {FALLBACK_MODEL}), and the model whose prefill "
+                        f"recomputes unserved blocks (with --block-bytes and no --model: the model whose 128-token "
+                        f"block is that size, e.g. 64MiB: llama-2-7b, 168MiB: opt-30b; else {FALLBACK_MODEL})")
     g.add_argument("--tokens-per-block", type=int_at_least(1), default=128, help="tokens per KV block")
     g.add_argument("--block-bytes", help="explicit KV block size (e.g. 64MiB); overrides --model. libCacheSim "
                                           "formats: the block an object is cut into (default: one device page)")
     g.add_argument("--window-bytes", default=str(DEFAULT_WINDOW_BYTES),
                    help="hymcache: KV bytes a request keeps prefetched ahead (never fewer than 2 blocks)")
+    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME|TOML", type=_gpu,
+                   help=f"GPU profile that recomputes unserved blocks: {', '.join(gpu_names())}, or a TOML path "
+                        f"(name, peak_flops, mfu, count)")
     g = p.add_argument_group("workload")
     g.add_argument("--concurrency", type=int_at_least(1), help="microbench: concurrent requests (64); randread: clients (8)")
     g.add_argument("--blocks-per-turn", type=int_at_least(1), default=32, help="microbench: new blocks per request per turn")
@@ -94,7 +103,28 @@ def register(sub) -> None:
     g.add_argument("--window-s", type=float_in(0, lo_open=True), default=600.0, help="report row width for time-ordered workloads")
     g.add_argument("--out", metavar="DIR", help="write replay.json and replay.png here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("sweep (Dask distributed)")
+    g.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2,...",
+                   help="an axis of a grid of replays, each point one Dask task (repeatable; the grid is the product). "
+                        "FIELD: " + _sweep_fields_help())
+    g.add_argument("--scheduler", metavar="tcp://HOST:8786",
+                   help="--sweep: a running Dask scheduler (default: a LocalCluster on this machine)")
+    g.add_argument("--workers", type=int_at_least(1),
+                   help="--sweep: LocalCluster worker processes, one thread each (default: min(points, CPUs))")
     p.set_defaults(func=run)
+
+
+def _sweep_fields_help() -> str:
+    from .sweep import sweep_fields_help
+
+    return sweep_fields_help()
+
+
+def _gpu(text: str):
+    try:
+        return load_gpu(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device_policy_list(text: str) -> list[str]:
@@ -158,7 +188,7 @@ def _size(text: str, option: str) -> int:
 def build_workload(args):
     """The workload the arguments name; a bad argument is a UsageError, a bad trace file a ValueError."""
     block = _size(args.block_bytes, "--block-bytes") if args.block_bytes else \
-        get_model(args.model).block_bytes(args.tokens_per_block)
+        get_model(args.model or FALLBACK_MODEL).block_bytes(args.tokens_per_block)
     if args.trace not in GENERATORS and not Path(args.trace).is_file():
         raise UsageError(f"TRACE_OR_GENERATOR = {args.trace!r} is neither a file nor one of {', '.join(GENERATORS)}")
     libcachesim_format = args.trace_format != MOONCAKE
@@ -190,26 +220,87 @@ def build_workload(args):
     return MooncakeTrace(args.trace, block, args.tokens_per_block, args.limit, args.time_scale)  # reads the file
 
 
-def run(args) -> int:
-    variants = args.compare or [args.policy]
+def configs(args) -> list[tuple[str, object]]:
+    """(variant, profile) of every run the arguments ask for; a bad override is a ConfigError."""
     overrides = _overrides(args.set)
     if args.device_policy and "policy.name" in overrides:
         raise UsageError("--device-policy and --set policy.name both choose the device policy: give one")
+    return [(v, replay_config(args.profile, v, overrides, device_policy))
+            for v in (args.compare or [args.policy]) for device_policy in (args.device_policy or [None])]
+
+
+def prefill_model(args, block_bytes: int):
+    """What recomputes an unserved block: --model's prefill (or the model the block size names) on --gpu."""
+    model = args.model if args.model or args.block_bytes else FALLBACK_MODEL
+    gpu = args.gpu if not isinstance(args.gpu, str) else load_gpu(args.gpu)
+    return prefill_for_block(block_bytes, model, gpu)
+
+
+def replay_results(args, progress: bool | None = None, workload=None) -> list[dict]:
+    """Every run the arguments ask for, on one workload (built here unless given)."""
+    runs = configs(args)
     window_bytes = _size(args.window_bytes, "--window-bytes")
+    if workload is None:
+        workload = build_workload(args)
+    prefill = prefill_model(args, workload.block_bytes)
+    show = not args.no_progress if progress is None else progress
+    return [Replay(cfg, v, workload, window_bytes=window_bytes, bucket_ns=args.window_s * 1e9, progress=show,
+                   sequential=args.sequential, prefill=prefill).run() for v, cfg in runs]
+
+
+def run(args) -> int:
+    if args.sweep:
+        return run_sweep_command(args)
+    for option in ("scheduler", "workers"):
+        if getattr(args, option) is not None:
+            raise UsageError(f"--{option} is for --sweep")
     workload = build_workload(args)
     for warning in getattr(workload, "warnings", ()):
         print(f"chm replay: libCacheSim: {warning}", file=sys.stderr)
-    replays = [Replay(replay_config(args.profile, v, overrides, device_policy), v, workload,
-                      window_bytes=window_bytes, bucket_ns=args.window_s * 1e9, progress=not args.no_progress,
-                      sequential=args.sequential)
-               for v in variants for device_policy in (args.device_policy or [None])]
-    results = [replay.run() for replay in replays]
+    results = replay_results(args, workload=workload)
     print(f"{workload.name}: {workload.describe()}; block {workload.block_bytes / 2**20:g} MiB; "
           f"profile {results[0]['profile']}" + ("; sequential" if args.sequential else ""))
+    print(format_recompute(results[0]))
     print(format_table(results))
     for r in results:
         print(format_summary(r))
     if args.out:
         json_path, png_path = write_outputs(results, args.out, "replay")
+        print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def run_sweep_command(args) -> int:
+    from .sweep import check_points, format_sweep, grid, parse_sweep, run_sweep, write_sweep
+
+    axes = parse_sweep(args.sweep, GENERATORS)
+    for name, option, given in (("variant", "--compare", args.compare), ("device_policy", "--device-policy",
+                                                                          args.device_policy)):
+        if name in axes and given:
+            raise UsageError(f"--sweep {name} and {option} both choose it: give one")
+    if args.compare or (args.device_policy and len(args.device_policy) > 1):
+        raise UsageError("--compare and several --device-policy values are axes of a sweep: use --sweep variant=... "
+                         "or --sweep device_policy=...")
+    set_keys = set(_overrides(args.set))
+    for name in axes:
+        key = {"dram": "dram.size_bytes", "write_buffer": "policy.write_buffer_fraction",
+               "device_policy": "policy.name"}.get(name, name)
+        if key in set_keys:
+            raise UsageError(f"--sweep {name} and --set {key} both choose it: give one")
+    if "block" in axes and args.model:
+        raise UsageError("--sweep block and --model both choose the KV block size: give one")
+    specs = check_points(args, grid(axes))
+    gpu = args.gpu if not isinstance(args.gpu, str) else load_gpu(args.gpu)
+    for spec in specs:  # the GPU profile travels as its path (a worker loads it again)
+        spec["args"]["gpu"] = gpu.source
+    print(f"sweep: {len(specs)} points ({' x '.join(f'{n} {len(v)}' for n, v in axes.items())}) on "
+          + (f"the scheduler {args.scheduler}" if args.scheduler else
+             f"a LocalCluster of {args.workers or min(len(specs), os.cpu_count() or 1)} single-threaded workers"),
+          flush=True)
+    results = run_sweep(specs, args.scheduler, args.workers, progress=not args.no_progress)
+    print(format_recompute(results[0]))
+    print(format_sweep(results))
+    if args.out:
+        json_path, png_path = write_sweep(results, args.out)
         print(f"wrote {json_path} and {png_path}")
     return 0

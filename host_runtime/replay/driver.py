@@ -32,6 +32,34 @@ is in flight at a time (the prefetch window is one block) and every write is flu
 access, so no frame is pinned when a victim is chosen. The DRAM then sees exactly the page sequence of the
 requests, and its misses (read misses plus write allocations) equal a cache simulator's on that sequence
 (tests/host_runtime/test_replay_oracle.py checks them against libCacheSim).
+
+The cost of what was not served (every row and the total; prefill.py models the time). A block the device
+does not serve is not free: the GPU recomputes its KV. Per request, when it looks up its chain:
+
+* a position of its ``keys`` is *reusable* if its key was in the context of a request that looked up
+  before it (or was populated): an earlier turn, an earlier request of the trace, a shared prefix. A
+  block no earlier request had (this turn's new blocks) is computed whatever the device does and is
+  never counted;
+* ``recomputed_blocks`` = reusable positions minus the blocks read from the device (the read positions are
+  a prefix of the reusable ones: what is stored was written by an earlier request). Everything the replay
+  leaves unread counts: an earlier write the device refused, a block the host index forgot to make room, a
+  block stored after a gap in the chain (not read: the replay, like a prefix cache, reads only the
+  unbroken prefix);
+* ``recompute_s`` = the modelled prefill time of those blocks, each at its position in the context (its
+  tokens attend to the whole prefix before it), on the GPU profile's FLOP/s; charged to the row of the
+  request's lookup;
+* ``read_s`` = the row's device read time: for a turn, from the turn's start to its last block read
+  (the device delivering every prefix it serves); for a time window, first to last read in it;
+* ``serve_s`` = ``read_s + recompute_s``: the turn served, with recomputation after the reads (one GPU
+  doing it all, no overlap with the device's reads of other requests; an upper bound where overlap is
+  possible, a lower bound per GPU FLOP as prefill.py explains). The total's ``read_s`` adds the turns'.
+
+Why this is fair between variants: the reusable set depends only on the workload's request order, not on
+what a variant stored, and every variant faces the same lookups (the microbenchmark's barrier makes the
+order identical; a trace's order is its timestamps). ``lru`` never refuses, so its recomputation comes only
+from host-index evictions and overlap; ``hymcache``'s also from refused writes -- its reads look fast
+because it reads less, and ``serve_s`` puts the unread blocks back on the bill. The new blocks of a turn
+(written, or offered and refused) cost the same GPU time under every variant and are not counted.
 """
 
 from __future__ import annotations
@@ -53,6 +81,7 @@ from emulator.controller import Controller
 from emulator.errors import ChmError, WriteBufferFull
 
 from .models import MiB
+from .prefill import PrefillModel, prefill_for_block
 from .traces import Workload
 
 # variant -> (device policy, prefetch on)
@@ -144,13 +173,15 @@ class Bucket:
     write_hit_pages: int = 0  # written pages that already had a frame
     write_miss_pages: int = 0  # written pages that needed a new frame (a first touch: a cache miss)
     prefetch_busy: int = 0
+    recomputed_blocks: int = 0  # reusable blocks of the row's requests that the device did not serve
+    recompute_flops: float = 0.0  # their prefill FLOPs (prefill.PrefillModel)
     first_read: float = math.inf
     last_read: float = 0.0
     first_write: float = math.inf
     last_write: float = 0.0
     read_latency_ns: array = field(default_factory=lambda: array("d"))
 
-    def row(self, window_ns: float | None) -> dict:
+    def row(self, window_ns: float | None, flops_per_s: float = math.inf) -> dict:
         def gbps(nbytes, span):  # GB/s is bytes per ns
             return nbytes / span if span > 0 else 0.0
 
@@ -172,7 +203,18 @@ class Bucket:
             "prefetch_busy": self.prefetch_busy,
             "read_p50_ms": pct(50), "read_p99_ms": pct(99),
             "span_s": (max(self.last_read, self.last_write) - self.start_ns) / 1e9 if self.start_ns < math.inf else 0.0,
+            **self.recompute_columns(window_ns is not None, flops_per_s),
         }
+
+    def recompute_columns(self, by_time: bool, flops_per_s: float) -> dict:
+        """The cost of what was not served (driver module docstring): blocks, their prefill time, read and serve time."""
+        if not self.reads:
+            read_s = 0.0
+        else:
+            read_s = (self.last_read - (self.first_read if by_time else self.start_ns)) / 1e9
+        recompute_s = self.recompute_flops / flops_per_s
+        return {"recomputed_blocks": self.recomputed_blocks, "recompute_flops": self.recompute_flops,
+                "recompute_s": recompute_s, "read_s": read_s, "serve_s": read_s + recompute_s}
 
 
 def replay_label(variant: str, device_policy: str) -> str:
@@ -185,7 +227,7 @@ class Replay:
 
     def __init__(self, cfg: Config, variant: str, workload: Workload, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  bucket_ns: float = 600e9, progress: bool = True, record_ops: bool = False,
-                 sequential: bool = False):
+                 sequential: bool = False, prefill: PrefillModel | None = None):
         if variant not in VARIANTS:
             raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
         if cfg.emulation.data:
@@ -216,6 +258,9 @@ class Replay:
         self.peak_staged_pages = 0
         self.peak_write_buffer_pages = 0
         self.pbar = None
+        # recomputation (module docstring): keys some request has looked up, and their prefill cost
+        self.prefill = prefill if prefill is not None else prefill_for_block(self.block_bytes)
+        self.known: set[int] = set()
 
     # ---- accounting ----------------------------------------------------------------
     def _bucket_at(self, now: float) -> Bucket:
@@ -292,7 +337,15 @@ class Replay:
 
     # ---- one request: a generator yielding the virtual time of its next operation ------
     def _request(self, keys, now: float):
+        known = self.known
+        reusable = [i for i, key in enumerate(keys) if key in known]  # positions an earlier request had
+        known.update(keys)
         addrs = self.index.stored_prefix(keys)
+        unread = [i for i in reusable if i >= len(addrs)] if len(reusable) > len(addrs) else ()
+        if unread:  # what was not read is recomputed
+            bucket = self._bucket_at(now)
+            bucket.recomputed_blocks += len(unread)
+            bucket.recompute_flops += self.prefill.flops(len(unread), sum(unread))
         if self.prefetching:
             now = yield from self._read_prefetched(addrs, now)
         else:
@@ -370,6 +423,7 @@ class Replay:
 
     # ---- the run ------------------------------------------------------------------------
     def _populate(self, keys, now: float) -> float:
+        self.known.update(keys)
         for key in keys:
             if key in self.index:
                 continue
@@ -421,12 +475,13 @@ class Replay:
 
     def _result(self, t_start: float, t_end: float, wall_s: float, cpu_s: float) -> dict:
         window = self.bucket_ns if self.by_time else None
-        rows = [self.buckets[k].row(window) for k in sorted(self.buckets)] if self.by_time else \
-            [b.row(None) for b in self.buckets.values()]
+        flops_per_s = self.prefill.gpu.flops_per_s
+        rows = [self.buckets[k].row(window, flops_per_s) for k in sorted(self.buckets)] if self.by_time else \
+            [b.row(None, flops_per_s) for b in self.buckets.values()]
         total = Bucket("total", start_ns=t_start)
         for b in self.buckets.values():
             for name in ("reads", "writes", "read_bytes", "write_bytes", "refused_writes", "hit_pages", "miss_pages",
-                         "write_hit_pages", "write_miss_pages", "prefetch_busy"):
+                         "write_hit_pages", "write_miss_pages", "prefetch_busy", "recomputed_blocks", "recompute_flops"):
                 setattr(total, name, getattr(total, name) + getattr(b, name))
             total.first_read, total.last_read = min(total.first_read, b.first_read), max(total.last_read, b.last_read)
             total.first_write, total.last_write = min(total.first_write, b.first_write), max(total.last_write, b.last_write)
@@ -439,6 +494,12 @@ class Replay:
         device_policy = self.cfg.policy.name
         read_pages, write_pages = total.hit_pages + total.miss_pages, total.write_hit_pages + total.write_miss_pages
         misses = total.miss_pages + total.write_miss_pages
+        total_row = total.row(None, flops_per_s)
+        if self.by_time:  # first to last read of the run
+            total_row.update(total.recompute_columns(True, flops_per_s))
+        else:  # the turns' device read times add up (the barrier separates them)
+            total_row["read_s"] = sum(row["read_s"] for row in rows)
+            total_row["serve_s"] = total_row["read_s"] + total_row["recompute_s"]
         return {
             "policy": self.variant,
             "device_policy": device_policy,
@@ -452,7 +513,8 @@ class Replay:
             "bucket_by": "time" if self.by_time else "phase",
             "bucket_s": self.bucket_ns / 1e9 if self.by_time else None,
             "rows": rows,
-            "total": total.row(None),
+            "total": total_row,
+            "recompute": self.prefill.describe(),
             "virtual_s": (t_end - t_start) / 1e9,
             "dram": {
                 "peak_staged_bytes": self.peak_staged_pages * page,

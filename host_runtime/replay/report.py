@@ -14,6 +14,11 @@ COLUMNS = (  # header, key, format
     ("refused", "refused_writes", "{:d}"),
     ("p50 ms", "read_p50_ms", "{:.1f}"),
     ("p99 ms", "read_p99_ms", "{:.1f}"),
+    # the cost of what was not served (driver.py's docstring)
+    ("recomp blk", "recomputed_blocks", "{:d}"),
+    ("recomp s", "recompute_s", "{:.2f}"),
+    ("read s", "read_s", "{:.2f}"),
+    ("serve s", "serve_s", "{:.2f}"),
 )
 
 
@@ -37,11 +42,22 @@ def format_table(results: list[dict]) -> str:
             row = r["total"] if bucket == "total" else next((x for x in r["rows"] if x["bucket"] == bucket), None)
             if row is None:
                 continue
-            lines.append([bucket, run_label(r)] + [fmt.format(row[key]) for _, key, fmt in COLUMNS])
+            lines.append([bucket, run_label(r)] + [fmt.format(row[key]) if key in row else "-"
+                                                   for _, key, fmt in COLUMNS])  # results saved before a column
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
     return "\n".join(out)
+
+
+def format_recompute(result: dict) -> str:
+    """How unserved blocks are costed: the model, tokens per block, the GPU and its sustained FLOP/s."""
+    p = result.get("recompute")
+    if p is None:
+        return ""
+    return (f"recomputation: {p['model']} prefill, {p['tokens_per_block']} tokens/block, on {p['gpus']} x {p['gpu']} "
+            f"at {p['mfu']:.0%} of {p['peak_flops'] / 1e12:g} TFLOP/s ({p['gpu_profile']}); serve s = read s + "
+            f"recomp s")
 
 
 def format_summary(result: dict) -> str:

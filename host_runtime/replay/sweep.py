@@ -1,0 +1,270 @@
+"""``chm replay --sweep``: a grid of replays, one Dask task per grid point.
+
+    chm replay microbench --block-bytes 64MiB --sweep variant=lru,hymcache --sweep dram=32GiB,64GiB
+    chm replay microbench --sweep dram=16GiB,32GiB --scheduler tcp://HOST:8786   # a running cluster
+
+Each ``--sweep FIELD=V1,V2,...`` is one axis; the grid is their product, in the order given. A point is
+the command's own arguments with the point's values put in (``variant`` is ``--policy``, ``dram`` is
+``--set dram.size_bytes``, ...), replayed by :func:`run_point` -- the same code a plain ``chm replay``
+runs -- as one task on Dask distributed: a ``LocalCluster`` of ``--workers`` single-threaded worker
+processes by default, or the scheduler ``--scheduler`` names (its workers must import this package and
+read any trace file at the same path). Results come back in grid order: one table, ``sweep.json`` and
+``sweep.png`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tomllib
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from emulator.cli import UsageError
+from emulator.config import FIELDS_BY_KEY
+from emulator.errors import ConfigError
+
+from .driver import VARIANTS
+from .models import parse_bytes
+
+# shorthand -> (what it sets, help)
+SHORTHANDS: dict[str, tuple[str, str]] = {
+    "variant": ("policy", f"how requests use the device (--policy): {', '.join(VARIANTS)}"),
+    "device_policy": ("device_policy", "the device's DRAM policy (--device-policy; config policy.name)"),
+    "dram": ("dram.size_bytes", "device DRAM (--set dram.size_bytes), a byte count such as 32GiB"),
+    "write_buffer": ("policy.write_buffer_fraction",
+                     "hymcache: the write buffer's share of DRAM, the rest is read staging (policy.write_buffer_fraction)"),
+    "block": ("block_bytes", "KV block bytes (--block-bytes), e.g. 16MiB"),
+    "workload": ("trace", "TRACE_OR_GENERATOR: a generator name or a trace file"),
+}
+WALL_FIELDS = ("speed",)  # what differs between two runs of the same point: wall and CPU time, peak RSS
+
+
+def sweep_fields_help() -> str:
+    return "; ".join(f"{name}: {text}" for name, (_, text) in SHORTHANDS.items()) + \
+        "; or any profile field KEY as --set takes it (e.g. policy.flush_batch_bytes)"
+
+
+def _profile_value(key: str, text: str, where: str) -> Any:
+    """A profile field's value from the command line, checked as the config checks it."""
+    field = FIELDS_BY_KEY[key]
+    if field.kind is int and key.endswith("_bytes"):
+        value: Any = parse_bytes(text, where)
+    else:
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+    try:
+        return field.check(value, where)
+    except ConfigError as exc:
+        raise ValueError(exc.message if hasattr(exc, "message") else str(exc)) from None
+
+
+def parse_sweep(items: list[str], generators: tuple[str, ...] = ()) -> dict[str, list]:
+    """``["dram=16GiB,32GiB", "variant=lru,hymcache"]`` -> ``{"dram": [17179869184, 34359738368], ...}``.
+
+    A bad item is a UsageError naming the field, the value and what is allowed."""
+    axes: dict[str, list] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise UsageError(f"--sweep {item!r} must be FIELD=V1,V2,... (e.g. dram=16GiB,32GiB); fields: "
+                             f"{', '.join(SHORTHANDS)} or a profile field such as policy.flush_batch_bytes")
+        if name not in SHORTHANDS and name not in FIELDS_BY_KEY:
+            raise UsageError(f"--sweep {name}: unknown field; allowed: {', '.join(SHORTHANDS)}, or a profile field: "
+                             f"{', '.join(FIELDS_BY_KEY)}")
+        target = SHORTHANDS[name][0] if name in SHORTHANDS else name
+        if target in (SHORTHANDS[a][0] if a in SHORTHANDS else a for a in axes):
+            raise UsageError(f"--sweep {name} is given twice (or as both its shorthand and {target}): give one axis")
+        texts = [v.strip() for v in values.split(",") if v.strip()]
+        if not texts:
+            raise UsageError(f"--sweep {name}= names no value")
+        parsed = []
+        for text in texts:
+            where = f"--sweep {name}"
+            try:
+                if name == "variant":
+                    if text not in VARIANTS:
+                        raise ValueError(f"{where}: {text!r} is not one of {', '.join(VARIANTS)}")
+                    value: Any = text
+                elif name == "device_policy":
+                    value = _profile_value("policy.name", text, where)
+                elif name == "block":
+                    value = parse_bytes(text, where)
+                elif name == "workload":
+                    if text not in generators and not Path(text).is_file():
+                        raise ValueError(f"{where}: {text!r} is neither a file nor one of {', '.join(generators)}")
+                    value = text
+                else:
+                    value = _profile_value(target, text, where)
+            except ValueError as exc:
+                message = str(exc)
+                raise UsageError(message if message.startswith(where) else f"{where}: {message}") from None
+            if value in parsed:
+                raise UsageError(f"--sweep {name}: {text!r} is given twice")
+            parsed.append(value)
+        axes[name] = parsed
+    return axes
+
+
+def grid(axes: dict[str, list]) -> list[dict]:
+    """The product of the axes, the first given varying slowest."""
+    names = list(axes)
+    return [dict(zip(names, values)) for values in itertools.product(*(axes[n] for n in names))]
+
+
+def point_args(args: dict, point: dict) -> dict:
+    """The command's arguments (``vars(args)``, picklable) with the point's values put in."""
+    out = {k: v for k, v in args.items() if not callable(v) and not k.startswith("_")}
+    out["set"] = list(args.get("set") or [])
+    out["compare"] = None
+    for name, value in point.items():
+        target = SHORTHANDS[name][0] if name in SHORTHANDS else name
+        if target == "policy":
+            out["policy"] = value
+        elif target == "device_policy":
+            out["device_policy"] = [value]
+        elif target == "block_bytes":
+            out["block_bytes"] = str(value)
+        elif target == "trace":
+            out["trace"] = value
+        else:  # a profile field: a --set of its value as TOML (strings quoted)
+            out["set"].append(f"{target}={value!r}" if isinstance(value, str) else f"{target}={value}")
+    out["progress"] = False
+    return out
+
+
+def run_point(spec: dict) -> dict:
+    """One grid point, replayed as ``chm replay`` would with these arguments (in a Dask worker, or here)."""
+    from . import cli
+
+    args = Namespace(**spec["args"])
+    result = cli.replay_results(args, progress=False)[0]
+    result["point"] = spec["point"]
+    return result
+
+
+def check_points(args: Namespace, points: list[dict]) -> list[dict]:
+    """Every point's task spec, its profile built here first, so a bad value fails before any task runs."""
+    from . import cli
+
+    specs = []
+    for point in points:
+        spec = {"point": point, "args": point_args(vars(args), point)}
+        try:
+            cli.configs(Namespace(**spec["args"]))
+        except (ValueError, ConfigError) as exc:
+            raise UsageError(f"--sweep point {_label(point)}: {exc}") from None
+        specs.append(spec)
+    return specs
+
+
+def _label(point: dict) -> str:
+    return " ".join(f"{k}={_fmt(v, k)}" for k, v in point.items())
+
+
+def _fmt(value, name: str = "") -> str:
+    """A point's value as given: byte counts with their binary unit."""
+    if name in ("dram", "block") or name.endswith("_bytes"):
+        for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if value >= 1 << shift and value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+    return str(value)
+
+
+def run_sweep(specs: list[dict], scheduler: str | None = None, workers: int | None = None,
+              progress: bool = True) -> list[dict]:
+    """Every spec as one Dask task; the results in spec order. A task's exception is raised here."""
+    from distributed import Client, LocalCluster, as_completed
+    from tqdm import tqdm
+
+    if scheduler:
+        client, cluster = Client(scheduler, timeout="30s"), None
+    else:
+        n = workers or min(len(specs), os.cpu_count() or 1)
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=logging.ERROR)
+        client = Client(cluster)
+    try:
+        futures = client.map(run_point, specs, pure=False)
+        bar = tqdm(total=len(futures), unit="point", desc="sweep", disable=not progress)
+        for future in as_completed(futures):
+            if future.status == "error":
+                future.result()  # raises the task's exception
+            bar.update(1)
+        bar.close()
+        return client.gather(futures)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+# ---- report ---------------------------------------------------------------------------------
+SWEEP_COLUMNS = (  # header, key of the result's total row, format
+    ("read GB/s", "read_gbps", "{:.2f}"),
+    ("hit %", "hit_rate", "{:.1%}"),
+    ("blk read", "blocks_read", "{:d}"),
+    ("refused", "refused_writes", "{:d}"),
+    ("recomp blk", "recomputed_blocks", "{:d}"),
+    ("read s", "read_s", "{:.2f}"),
+    ("recomp s", "recompute_s", "{:.2f}"),
+    ("serve s", "serve_s", "{:.2f}"),
+)
+
+
+def format_sweep(results: list[dict]) -> str:
+    """One line per grid point: its values, then its totals and its wall time."""
+    names = list(results[0]["point"])
+    head = names + [c[0] for c in SWEEP_COLUMNS] + ["wall s"]
+    lines = [[_fmt(r["point"][n], n) for n in names] + [fmt.format(r["total"][key]) for _, key, fmt in SWEEP_COLUMNS]
+             + [f"{r['speed']['wall_s']:.1f}"] for r in results]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
+def plot_sweep(results: list[dict], path: Path, title: str = "") -> None:
+    """Per grid point: the device read time and the recomputation on top (serve time), and read bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [_label(r["point"]) for r in results]
+    ys = range(len(results))
+    read = [r["total"]["read_s"] for r in results]
+    recompute = [r["total"]["recompute_s"] for r in results]
+    fig, (ax_t, ax_bw) = plt.subplots(1, 2, figsize=(10, 1.2 + 0.45 * len(results)), sharey=True,
+                                      gridspec_kw={"width_ratios": [2, 1]})
+    ax_t.barh(ys, read, label="device read")
+    ax_t.barh(ys, recompute, left=read, label="recomputation (prefill)")
+    ax_t.set_yticks(list(ys), labels, fontsize=8)
+    ax_t.invert_yaxis()
+    ax_t.set_xlabel("serve time, all turns / windows (s)")
+    ax_t.legend(fontsize=8)
+    ax_t.grid(axis="x", alpha=0.3)
+    ax_bw.barh(ys, [r["total"]["read_gbps"] for r in results], color="grey")
+    ax_bw.axvline(results[0]["link_gbps"], color="black", linestyle="--", linewidth=1)
+    ax_bw.set_xlabel("read GB/s (link dashed)")
+    ax_bw.grid(axis="x", alpha=0.3)
+    fig.suptitle(title or f"sweep: {results[0]['workload']['name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_sweep(results: list[dict], out_dir: str | Path, title: str = "") -> tuple[Path, Path]:
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "sweep.json", out / "sweep.png"
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    plot_sweep(results, png_path, title)
+    return json_path, png_path
