@@ -137,6 +137,9 @@ def register(sub) -> None:
     c.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     c.set_defaults(func=_chat)
 
+    from .sim.cli import register as register_simulate  # the serving simulation (sim/): its own options
+    register_simulate(hs)
+
 
 def _set_shape_args(p, whose: str) -> None:
     """The shape of a set `up` or `chat` starts: one definition of its options and defaults."""

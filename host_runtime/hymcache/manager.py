@@ -147,7 +147,7 @@ class KVManager:
 
     def __init__(self, node: int, device_nodes: list[str], master, clock: Clock, *, window_bytes: int = WINDOW_BYTES,
                  request_timeout_s: float = REQUEST_TIMEOUT_S, endpoint: str = "", batch: int = LOOKUP_BATCH,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, open_device: Callable[[str], libchm.Device] = libchm.Device):
         self.node = _check_int("node", node, 0, 2**31 - 1)
         if (not isinstance(device_nodes, (list, tuple)) or not device_nodes
                 or not all(isinstance(d, str) and d for d in device_nodes)):
@@ -163,6 +163,7 @@ class KVManager:
                 raise ChmError(errno.EINVAL, f"master {master!r} has no {method}(): pass a Master or a MasterClient")
         self.master, self.clock, self.endpoint = master, clock, endpoint
         self.log = log or (lambda msg: None)
+        self._open_device = open_device  # libchm.Device; the serving simulation passes its emulated devices
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._caller = None    # set by the served Manager around each call: who is calling
@@ -171,7 +172,7 @@ class KVManager:
         self.requests: OrderedDict[str, _Request] = OrderedDict()   # oldest first: issued first
         try:
             for name in device_nodes:
-                self.handles.append(libchm.Device(node_path(name)))
+                self.handles.append(open_device(node_path(name)))
         except ChmError:
             self.close()
             raise
@@ -254,7 +255,7 @@ class KVManager:
         self._check_at[i] = now + REOPEN_INTERVAL_S
         path = self.infos[i].node_path
         try:
-            dev = libchm.Device(path)
+            dev = self._open_device(path)
         except ChmError as exc:
             self._gone_why[i] = exc.message
             return None

@@ -1,0 +1,96 @@
+"""``chm hymcache simulate``: the serving simulation from the command line (see the package docstring)."""
+
+from __future__ import annotations
+
+import sys
+
+from .config import FIELDS, check, load_settings, preset_path
+
+EPILOG = """\
+Every setting of the preset can be overridden; a value out of range is an error naming the flag, the value
+and the range. Output: a table per tier x turn on stdout, a progress bar on stderr, --json (one row per
+tier x turn: tier, turn, hit_rate, ttft_p50_ms, ttft_p99_ms, e2e_ms, read_gbps, write_gbps, skipped_inserts,
+recomputed_tokens, and more), --plot (PNG, one line per tier).
+
+examples:
+  chm hymcache simulate --figure 13
+  chm hymcache simulate --figure 13 --tiers hymcache,lmcache-local --dram 128GiB --json out.json --plot out.png
+  chm hymcache simulate --figure 13 --conversations 64 --turns 4 --tiers hymcache,cmm-h
+"""
+
+
+def register(sub) -> None:
+    """Add ``simulate`` to the ``chm hymcache`` subcommands."""
+    import argparse
+
+    import textwrap
+
+    description = textwrap.fill(
+        "Simulate serving a multi-turn workload in virtual time, on one node: a vLLM-like worker (chunked prefill, "
+        "GPU prefix cache) over one remote KV tier at a time (recompute, gpu-prefix, lmcache-local, hymcache: the "
+        "runtime's Master and KV Manager with the emulated device; cmm-h: a stock LRU device).", 100)
+    p = sub.add_parser("simulate", help="serving simulation in virtual time (the paper's serving figures)",
+                       description=description, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:  # the default preset's values, shown in --help
+        shown = load_settings(preset_path("13"))
+    except ValueError:
+        shown = {}
+    p.add_argument("--figure", default="13", metavar="N",
+                   help="preset: the paper's figure N (host_runtime/hymcache/sim/presets/figN.toml; default 13)")
+    p.add_argument("--preset", metavar="TOML", help="a preset file of your own instead of --figure's")
+    for f in FIELDS:
+        p.add_argument(f.flag, dest=f"set_{f.section}_{f.name}".replace("-", "_"), metavar="VALUE",
+                       help=f"{f.help} (preset's {f.key}; Fig. 13: {_show(shown.get(f.key))})")
+    p.add_argument("--json", metavar="PATH", help="write the rows and summaries as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: TTFT and hit rate per turn, one line per tier")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=_simulate)
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return ",".join(value)
+    return "?" if value is None else str(value)
+
+
+def settings_from_args(args) -> dict:
+    from emulator.cli import UsageError
+
+    if args.preset:
+        s = load_settings(args.preset)  # a bad file is bad input (exit 1), named with its field
+    else:
+        try:
+            path = preset_path(args.figure)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        s = load_settings(path)
+    for f in FIELDS:
+        value = getattr(args, f"set_{f.section}_{f.name}".replace("-", "_"))
+        if value is not None:
+            try:
+                s[f.key] = check(f, value, f.flag)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+    if s["lmcache.chunk_tokens"] % s["model.tokens_per_block"]:
+        raise UsageError(f"--chunk-tokens {s['lmcache.chunk_tokens']} must be a multiple of --tokens-per-block "
+                         f"{s['model.tokens_per_block']}")
+    return s
+
+
+def _simulate(args) -> int:
+    from .report import plot, table
+    from .run import simulate, write_json
+
+    s = settings_from_args(args)
+    result = simulate(s, progress=not args.no_progress)
+    title = s.get("figure.title") or ""
+    if s.get("figure.number") is not None:
+        title = f"Fig. {s['figure.number']}: {title}"
+    print(title)
+    print(table(result))
+    print(f"simulated {len(s['tiers.run'])} tier(s) in {result['wall_s']:.1f} s of wall time", file=sys.stderr)
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        plot(result, args.plot, title)
+    return 0

@@ -1,0 +1,178 @@
+"""The simulation's settings: one table of fields, read from a preset TOML and overridden from the command line.
+
+Every field has a section, a kind, an allowed range and a command-line flag; a value out of range is an
+error naming the field (or flag), the value and the range, whether it came from a file or a flag.
+Presets live in ``presets/figNN.toml``; every number there names its source.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from host_runtime.replay.models import MODELS, parse_bytes
+
+from .tiers import TIERS
+
+PRESET_DIR = Path(__file__).with_name("presets")
+TiB = 1 << 40
+
+
+@dataclass(frozen=True)
+class Field:
+    key: str            # section.name
+    kind: str           # int, float, bytes, str, tiers, choice
+    lo: float = -math.inf
+    hi: float = math.inf
+    flag: str = ""
+    help: str = ""
+    choices: tuple = ()
+
+    @property
+    def section(self) -> str:
+        return self.key.split(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.key.split(".")[1]
+
+
+FIELDS = [
+    Field("workload.conversations", "int", 1, 1_000_000, "--conversations", "conversations (the workload's size)"),
+    Field("workload.turns", "int", 1, 1000, "--turns", "turns per conversation"),
+    Field("workload.concurrency", "int", 1, 100_000, "--concurrency", "requests in flight (the client's limit)"),
+    Field("workload.max_tokens", "int", 1, 1_000_000, "--max-tokens", "tokens decoded per request"),
+    Field("workload.mean_prompt_tokens", "float", 1, 1e6, "--mean-prompt-tokens", "mean user prompt per turn"),
+    Field("workload.mean_response_tokens", "float", 1, 1e6, "--mean-response-tokens",
+          "mean recorded response per turn (part of the next turn's history)"),
+    Field("workload.seed", "int", 0, 2**63 - 1, "--seed", "random seed of the token lengths"),
+    Field("model.name", "choice", flag="--model", help="model (replay/models.py)", choices=tuple(MODELS)),
+    Field("model.tokens_per_block", "int", 1, 1 << 20, "--tokens-per-block", "tokens per KV block"),
+    Field("gpu.profile", "str", flag="--gpu", help="GPU profile (sim/gpus/NAME.toml)"),
+    Field("gpu.gpu_memory_utilization", "float", 0.01, 1.0, "--gpu-memory-utilization",
+          "share of HBM vLLM may use (weights, activations, KV cache)"),
+    Field("gpu.activation_bytes", "bytes", 0, TiB, "--activation-bytes", "activation peak vLLM reserves"),
+    Field("gpu.max_num_batched_tokens", "int", 1, 1 << 24, "--max-num-batched-tokens", "token budget per step"),
+    Field("gpu.max_num_seqs", "int", 1, 1 << 20, "--max-num-seqs", "requests running at once"),
+    Field("tiers.run", "tiers", flag="--tiers", help=f"comma-separated tiers to run, of {', '.join(TIERS)}"),
+    Field("tiers.dram", "bytes", 1 << 20, 64 * TiB, "--dram",
+          "the DRAM budget: LMCache's local DRAM per worker, the HyMCache / CMM-H device's DRAM"),
+    Field("tiers.staging", "bytes", 1 << 20, 64 * TiB, "--staging", "host staging buffer per node"),
+    Field("tiers.load_timeout_s", "float", 1e-6, 3600, "--timeout",
+          "a remote load not done by then is recomputed (seconds)"),
+    Field("lmcache.chunk_tokens", "int", 1, 1 << 20, "--chunk-tokens", "LMCache chunk size in tokens"),
+    Field("hymcache.profile", "str", flag="--hymcache-profile", help="device profile of the hymcache tier"),
+    Field("hymcache.window_bytes", "bytes", 1, TiB, "--window", "KV Manager prefetch window per request"),
+    Field("cmm-h.profile", "str", flag="--cmmh-profile", help="device profile of the cmm-h tier"),
+]
+BY_KEY = {f.key: f for f in FIELDS}
+
+
+def _range(f: Field) -> str:
+    if f.kind == "choice":
+        return f"one of {', '.join(f.choices)}"
+    if f.kind == "tiers":
+        return f"a non-empty list of distinct tiers from {', '.join(TIERS)}"
+    if f.kind == "str":
+        return "a non-empty string"
+    if f.kind == "int":
+        return f"an integer in [{int(f.lo)}, {int(f.hi)}]"
+    if f.kind == "bytes":
+        return f"a byte count in [{_bytes(f.lo)}, {_bytes(f.hi)}] (an integer, or with a unit: KiB, MiB, GiB, TiB)"
+    return f"a number in [{f.lo:g}, {f.hi:g}]"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{int(n // size)}{unit}"
+    return str(int(n))
+
+
+def check(f: Field, value: Any, where: str | None = None) -> Any:
+    """``value`` as the field's type, or ValueError naming the field (or ``where``), the value and the range."""
+    name = where or f.key
+
+    def bad():
+        return ValueError(f"{name} = {value!r} is outside the allowed range: {_range(f)}")
+
+    if f.kind == "int":
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise bad() from None
+        if isinstance(value, bool) or not isinstance(value, int) or not f.lo <= value <= f.hi:
+            raise bad()
+        return value
+    if f.kind == "float":
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad() from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not f.lo <= value <= f.hi:
+            raise bad()  # NaN fails too
+        return float(value)
+    if f.kind == "bytes":
+        try:
+            n = parse_bytes(value, name) if not (isinstance(value, int) and value == 0) else 0
+        except (ValueError, TypeError):
+            raise bad() from None
+        if isinstance(value, bool) or not f.lo <= n <= f.hi:
+            raise bad()
+        return n
+    if f.kind == "choice":
+        if not isinstance(value, str) or value.lower() not in f.choices:
+            raise bad()
+        return value.lower()
+    if f.kind == "str":
+        if not isinstance(value, str) or not value:
+            raise bad()
+        return value
+    if f.kind == "tiers":
+        items = [t.strip() for t in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items or any(t not in TIERS for t in items) \
+                or len(set(items)) != len(items):
+            raise bad()
+        return list(items)
+    raise AssertionError(f.kind)
+
+
+def preset_path(figure: str | int) -> Path:
+    path = PRESET_DIR / f"fig{figure}.toml"
+    if not path.is_file():
+        known = sorted(p.stem[3:] for p in PRESET_DIR.glob("fig*.toml"))
+        raise ValueError(f"--figure {figure}: no preset; presets: {', '.join(known)}")
+    return path
+
+
+def load_settings(path: str | Path) -> dict[str, Any]:
+    """A preset: {section.name: value}, every field present and in range."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"preset {str(path)!r} does not exist")
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not TOML: {exc}") from None
+    out: dict[str, Any] = {}
+    for section, fields in table.items():
+        if section == "figure":
+            out["figure.number"] = fields.get("number")
+            out["figure.title"] = fields.get("title", "")
+            continue
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path}: {section} must be a table")
+        for name, value in fields.items():
+            f = BY_KEY.get(f"{section}.{name}")
+            if f is None:
+                raise ValueError(f"{path}: {section}.{name} is not a setting; settings: {', '.join(BY_KEY)}")
+            out[f.key] = check(f, value, f"{path.name}: {f.key}")
+    missing = [k for k in BY_KEY if k not in out]
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(missing)}")
+    return out

@@ -1,0 +1,124 @@
+"""The serving GPU: step time of a vLLM-like batch, and the KV cache the GPU holds.
+
+Prefill FLOPs are ``replay/prefill.py``'s (``PrefillModel`` with one token per "block", so every
+token is counted at its own position: ``2 N + 4 L d (p + 1)`` FLOPs for the token at position p),
+on the peak FLOP/s and MFU of the replayer's GPU profile. What serving needs beyond that is a
+thin extension here, in ``sim/gpus/NAME.toml`` with sources: HBM size and bandwidth, a
+memory-bandwidth utilization, the PCIe link to the host.
+
+A step (one forward pass of the batch: chunks of prefills and decode tokens) takes
+
+    max(FLOPs / (peak x MFU), (weight bytes + KV bytes read) / (HBM bandwidth x MBU))
+
+-- compute-bound for prefill chunks, memory-bound for decode-only steps (the roofline).
+
+KV capacity (vLLM's rule): HBM x ``gpu_memory_utilization`` minus the weights and the activation
+peak, in KV blocks of ``tokens_per_block`` tokens.
+
+Total parameter counts (weights in HBM, embeddings and LM head included) are not in
+``replay/models.py`` (which counts only the matmul weights); ``TOTAL_PARAMS`` adds them, from each
+model card.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from host_runtime.replay.models import KvModel
+from host_runtime.replay.prefill import PrefillModel, load_gpu
+
+GPU_DIR = Path(__file__).with_name("gpus")
+
+# Parameters held in HBM (bf16/fp16: 2 bytes each), from the model cards / the checks in replay/models.py.
+TOTAL_PARAMS = {
+    "llama-3.1-8b": 8.03e9,    # meta-llama/Llama-3.1-8B: 8.03 B (replay/models.py: 6.98 B matmul + 1.05 B embeddings)
+    "llama-3.1-70b": 70.6e9,   # meta-llama/Llama-3.1-70B model card: 70.6 B
+    "llama-2-7b": 6.74e9,      # replay/models.py check: 6.48 B + 0.26 B embeddings
+    "qwen2.5-32b": 32.5e9,     # Qwen/Qwen2.5-32B model card: "Number of Parameters: 32.5B"
+    "opt-30b": 29.97e9,        # replay/models.py check: 29.6 B + 0.36 B embeddings
+}
+
+
+def gpu_names() -> list[str]:
+    return sorted(p.stem for p in GPU_DIR.glob("*.toml"))
+
+
+@dataclass(frozen=True)
+class ServingGpu:
+    name: str
+    peak_flops: float
+    mfu: float
+    hbm_bytes: int
+    hbm_bandwidth_gbps: float
+    mbu: float
+    pcie_gbps: float
+    pcie_latency_ns: float
+    source: str
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_flops * self.mfu
+
+
+def load_serving_gpu(name: str) -> ServingGpu:
+    path = GPU_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise ValueError(f"gpu.profile = {name!r} is not one of {', '.join(gpu_names())}")
+    table = tomllib.loads(path.read_text())
+
+    def num(key, lo, hi):
+        v = table.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v <= hi):
+            raise ValueError(f"{path}: {key} = {v!r} must be a number in ({lo:g}, {hi:g}]")
+        return v
+
+    flops = load_gpu(str(table.get("flops_profile", "")))
+    return ServingGpu(name=flops.name, peak_flops=flops.peak_flops, mfu=flops.mfu,
+                      hbm_bytes=int(num("hbm_bytes", 0, 1 << 50)),
+                      hbm_bandwidth_gbps=float(num("hbm_bandwidth_gbps", 0, 1e6)),
+                      mbu=float(num("mbu", 0, 1)), pcie_gbps=float(num("pcie_gbps", 0, 1e4)),
+                      pcie_latency_ns=float(num("pcie_latency_ns", -1e-9, 1e9)), source=str(path))
+
+
+class StepModel:
+    """Time of one forward step of a batch on ``gpu`` for ``model``."""
+
+    def __init__(self, model: KvModel, gpu: ServingGpu):
+        if model.name not in TOTAL_PARAMS:
+            raise ValueError(f"model.name = {model.name!r} has no parameter count here; known: "
+                             f"{', '.join(TOTAL_PARAMS)}")
+        self.model, self.gpu = model, gpu
+        from host_runtime.replay.prefill import GpuProfile
+        per_token = GpuProfile(gpu.name, gpu.peak_flops, gpu.mfu, 1, gpu.source)
+        self.prefill = PrefillModel(model, 1, per_token)  # one token per "block": exact positions
+        self.weight_bytes = TOTAL_PARAMS[model.name] * model.dtype_bytes
+        self.kv_bytes_per_token = model.bytes_per_token
+
+    def flops(self, start: int, n: int) -> float:
+        """FLOPs of tokens [start, start + n) of one sequence (each attends to itself and all before it)."""
+        return self.prefill.flops(n, n * start + n * (n - 1) // 2)
+
+    def step_ns(self, chunks) -> float:
+        """``chunks``: (start position, tokens) per sequence in the batch (a decode token is (pos, 1))."""
+        flops = 0.0
+        kv_tokens = 0
+        for start, n in chunks:
+            flops += self.flops(start, n)
+            kv_tokens += start + n
+        compute = flops / self.gpu.flops_per_s
+        memory = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (self.gpu.hbm_bandwidth_gbps * 1e9
+                                                                             * self.gpu.mbu)
+        return max(compute, memory) * 1e9
+
+    def kv_blocks(self, gpu_memory_utilization: float, activation_bytes: int, block_bytes: int) -> int:
+        """vLLM's KV cache: HBM x utilization - weights - activation peak, in blocks."""
+        free = self.gpu.hbm_bytes * gpu_memory_utilization - self.weight_bytes - activation_bytes
+        blocks = math.floor(free / block_bytes)
+        if blocks < 1:
+            raise ValueError(f"gpu: {self.gpu.hbm_bytes} bytes x gpu_memory_utilization {gpu_memory_utilization} "
+                             f"leave no room for a KV block after {self.weight_bytes:.3g} bytes of weights and "
+                             f"{activation_bytes} of activations")
+        return blocks

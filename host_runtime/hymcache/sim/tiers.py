@@ -1,0 +1,511 @@
+"""Remote KV tiers behind one interface, one class each.
+
+A worker's step calls, for each request (``worker.py``; the order of vLLM's KV connector v1):
+
+* ``lookup(req)`` when the scheduler first considers it: how many blocks beyond the GPU prefix
+  cache hit (``req.gpu_hit``) the tier can load, as one unbroken run (prefetch hints go out now);
+* ``load(req, n)`` in the step that schedules it, before the forward (``start_load_kv``): a
+  process that returns how many of the ``n`` blocks it loaded (a prefix: a block that fails or times
+  out is recomputed with the rest);
+* ``reserve_store(req)`` before the forward of the step that completes its prefill (``_reserve``:
+  what will be stored; the device-to-host copies run during the forward, as ``save_kv_layer``);
+* ``store(req)`` after that forward (``wait_for_save``): a process; refused blocks are skipped;
+* ``finish(req)`` when it leaves the engine.
+
+Each tier counts per request what it moved (``req.read_bytes``, ``req.write_bytes``,
+``req.skipped_inserts``, ``req.timeouts``); the report sums them per turn.
+
+Tiers: ``recompute`` (no reuse at all, GPU prefix caching off), ``gpu-prefix`` (vLLM's prefix cache
+only), ``lmcache-local`` (per-worker CPU DRAM, LRU, 256-token chunks, a prefix reusable only as an
+unbroken chain from the first chunk), ``hymcache`` (the runtime's Master and KV Manager in process,
+the emulator's Controller as the device, in virtual time) and ``cmm-h`` (the same Master over a
+stock CMM-H: the Controller with policy ``lru``, demand reads, no prefetch window).
+"""
+
+from __future__ import annotations
+
+import errno
+import struct
+from collections import OrderedDict, deque
+
+from driver.errors import ChmError, WriteBufferFull
+from emulator.timing import Pipe
+
+from .events import Env
+
+TIERS = ("recompute", "gpu-prefix", "lmcache-local", "hymcache", "cmm-h")
+NS = 1e9
+
+
+class Staging:
+    """The host's staging buffer (bytes): transfer space between the remote tier and the GPU.
+
+    Loads wait for room (back-pressure, first come first served); stores take what is free now and
+    skip the rest (the connector's rule: transfer space, not a cache)."""
+
+    def __init__(self, env: Env, capacity: int):
+        self.env, self.capacity, self.used, self.peak = env, capacity, 0, 0
+        self.waiters: deque = deque()
+        self.waits = 0
+
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def take(self, n: int):
+        """Process: wait until ``n`` bytes are free, then hold them."""
+        if n > self.capacity:
+            raise ValueError(f"a block of {n} bytes can never fit the staging buffer of {self.capacity} bytes")
+        if self.waiters or self.used + n > self.capacity:
+            self.waits += 1
+            ev = self.env.event()
+            self.waiters.append((n, ev))
+            yield ev  # give() has taken the bytes for us
+            return
+        self.hold(n)
+
+    def hold(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        while self.waiters and self.waiters[0][0] <= self.capacity - self.used:
+            m, ev = self.waiters.popleft()
+            self.hold(m)  # taken now, on the waiter's behalf: nobody can overtake it before it resumes
+            ev.succeed()
+
+
+class Host:
+    """One serving node's host side: the PCIe link to its GPU (one pipe per direction) and its staging buffer."""
+
+    def __init__(self, env: Env, pcie_gbps: float, pcie_latency_ns: float, staging_bytes: int):
+        self.h2d = Pipe("pcie.h2d", pcie_latency_ns, pcie_gbps)
+        self.d2h = Pipe("pcie.d2h", pcie_latency_ns, pcie_gbps)
+        self.staging = Staging(env, staging_bytes)
+
+
+class RemoteTier:
+    """The interface (module docstring). The base class is the ``gpu-prefix`` tier: nothing remote."""
+
+    name = "gpu-prefix"
+    gpu_prefix_caching = True
+
+    def __init__(self, env: Env, host: Host, block_bytes: int):
+        self.env, self.host, self.block_bytes = env, host, block_bytes
+
+    def lookup(self, req) -> int:
+        return 0
+
+    def load(self, req, n: int):
+        return n
+        yield  # a process
+
+    def reserve_store(self, req) -> None:
+        pass
+
+    def store(self, req):
+        return None
+        yield
+
+    def finish(self, req) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"tier": self.name}
+
+
+class GpuPrefixTier(RemoteTier):
+    name = "gpu-prefix"
+
+
+class RecomputeTier(RemoteTier):
+    name = "recompute"
+    gpu_prefix_caching = False
+
+
+# ---------------------------------------------------------------------------------------- LMCache, local DRAM
+class LMCacheLocal(RemoteTier):
+    """LMCache's local CPU backend on each worker: ``dram_bytes`` of pinned host memory, LRU, chunks of
+    ``chunk_tokens`` tokens. A request reuses the chunks present as one unbroken chain from the first:
+    once LRU has evicted an early chunk, nothing after it is reusable (LMCache looks up prefixes).
+    Retrieved chunks are touched (most recently used); a store skips chunks already present (not
+    touched) and inserts the rest, evicting from the LRU head. Loads and stores cross PCIe."""
+
+    name = "lmcache-local"
+
+    def __init__(self, env: Env, host: Host, block_bytes: int, tokens_per_block: int, dram_bytes: int,
+                 chunk_tokens: int):
+        super().__init__(env, host, block_bytes)
+        if chunk_tokens % tokens_per_block:
+            raise ValueError(f"lmcache.chunk_tokens = {chunk_tokens} must be a multiple of model.tokens_per_block "
+                             f"= {tokens_per_block}")
+        self.per_chunk = chunk_tokens // tokens_per_block
+        self.chunk_bytes = self.per_chunk * block_bytes
+        self.capacity = dram_bytes // self.chunk_bytes
+        if self.capacity < 1:
+            raise ValueError(f"dram = {dram_bytes} bytes holds no LMCache chunk of {self.chunk_bytes} bytes")
+        self.lru: OrderedDict = OrderedDict()   # (conversation, chunk) -> None; head evicted first
+        self.pinned: dict = {}                   # chunk -> lookups holding it (never evicted meanwhile)
+        self._pins: dict[str, list] = {}
+        self.evictions = 0
+        self._pending: dict[str, tuple[list, float]] = {}
+
+    def _chain(self, conv: int, limit_blocks: int) -> int:
+        c = 0
+        while c * self.per_chunk < limit_blocks and (conv, c) in self.lru:
+            c += 1
+        return min(c * self.per_chunk, limit_blocks)
+
+    def lookup(self, req) -> int:
+        """The chain beyond the GPU hit; its chunks are pinned until loaded (LMCache's lookup pins its hits)."""
+        n = max(0, self._chain(req.conv, req.lookup_blocks) - req.gpu_hit)
+        if n:
+            g = req.gpu_hit
+            keys = [(req.conv, c) for c in range(g // self.per_chunk, (g + n - 1) // self.per_chunk + 1)]
+            for k in keys:
+                self.pinned[k] = self.pinned.get(k, 0) + 1
+            self._pins[req.rid] = keys
+        return n
+
+    def _unpin(self, req) -> None:
+        for k in self._pins.pop(req.rid, ()):
+            left = self.pinned[k] - 1
+            if left:
+                self.pinned[k] = left
+            else:
+                del self.pinned[k]
+
+    def finish(self, req) -> None:
+        self._unpin(req)
+
+    def _evict_one(self) -> bool:
+        for k in self.lru:
+            if k not in self.pinned:
+                del self.lru[k]
+                self.evictions += 1
+                return True
+        return False
+
+    def load(self, req, n: int):
+        if n <= 0:
+            return 0
+        for k in self._pins.get(req.rid, ()):
+            self.lru.move_to_end(k)
+        self._unpin(req)
+        nbytes = n * self.block_bytes
+        done = self.host.h2d.transfer(self.env.now, nbytes)
+        req.read_bytes += nbytes
+        yield done
+        return n
+
+    def reserve_store(self, req) -> None:
+        full = req.full_blocks // self.per_chunk
+        new = [c for c in range(full) if (req.conv, c) not in self.lru]
+        if not new:
+            return
+        arrivals = self.host.d2h.stream([self.env.now] * len(new), [self.chunk_bytes] * len(new))
+        self._pending[req.rid] = (new, arrivals[-1])
+
+    def store(self, req):
+        pending = self._pending.pop(req.rid, None)
+        if pending is None:
+            return
+        new, done = pending
+        if done > self.env.now:
+            yield done
+        for c in new:
+            key = (req.conv, c)
+            if key in self.lru:
+                continue
+            if len(self.lru) >= self.capacity and not self._evict_one():
+                break  # everything is pinned by lookups in flight: the rest is not stored
+            self.lru[key] = None
+            req.write_bytes += self.chunk_bytes
+
+    def describe(self) -> dict:
+        return {"tier": self.name, "chunk_blocks": self.per_chunk, "capacity_chunks": self.capacity,
+                "chunks": len(self.lru), "evictions": self.evictions}
+
+
+# ---------------------------------------------------------------------------------------- HyMCache
+class ControllerDevice:
+    """What the KV Manager calls on a libchm device handle, served by the emulator's ``Controller`` in
+    virtual time (data off). Every call happens at the simulation's now (``clock``), after the device's
+    background work due by then (``run_until``, as the replayer does). ``wait`` records when the host
+    learns the block is staged (``ready_ns``): the Manager only needs it to be staged, the simulation
+    needs the time."""
+
+    def __init__(self, ctl, env: Env):
+        self.ctl, self.env = ctl, env
+        self.ready_ns: dict[int, float] = {}
+        self.node = ""
+
+    def _now(self) -> float:
+        self.ctl.run_until(self.env.now)
+        return self.env.now
+
+    def info(self) -> dict:
+        return {"capacity_bytes": self.ctl.capacity, "device_epoch": self.ctl.device_epoch, "server_pid": 0}
+
+    def prefetch(self, offset: int, length: int) -> int:
+        handle, _ack = self.ctl.prefetch(offset, length, self._now())
+        return handle
+
+    def wait(self, handle: int) -> None:
+        self.ready_ns[handle] = self.ctl.wait(handle, self._now())
+
+    def release(self, handle: int) -> None:
+        self.ready_ns.pop(handle, None)
+        self.ctl.release(handle, self._now())
+
+    def close(self) -> None:
+        pass
+
+
+def sim_manager(node: int, devices: list[ControllerDevice], master, clock, **kwargs):
+    """The runtime's ``KVManager`` (its window, EBUSY queueing and release logic unchanged) over
+    ``ControllerDevice`` handles, which it opens in device order in place of libchm devices."""
+    from host_runtime.hymcache.manager import KVManager
+
+    unopened = list(devices)
+
+    def open_device(path: str) -> ControllerDevice:
+        dev = unopened.pop(0)
+        dev.node = path
+        return dev
+
+    return KVManager(node, [f"sim-node{node}-dev{i}" for i in range(len(devices))], master, clock,
+                     open_device=open_device, **kwargs)
+
+
+class HyMCacheTier(RemoteTier):
+    """The runtime's Master and KV Manager in process, over one emulated device (``Controller``, data off),
+    all on the simulation's clock.
+
+    * lookup: the Manager's ``hint`` (it resolves the keys beyond the GPU hit against the Master in
+      batches of 32, in order, and starts staging them, a window per request);
+    * load: per block, in order (the connector's ``_load``): a staging-buffer slot, the Manager's
+      ``acquire`` (not staged yet and queued behind a window: ask again after a pause, as the
+      ManagerClient polls), the device read over its host link (the Controller's RDMA pipe), the
+      Manager's ``release`` (the window moves on), the copy to the GPU over PCIe; a block not staged
+      by ``timeout`` after the load began is a load error: it and the rest are recomputed;
+    * store: ``put_start`` for the full prompt blocks (the Master answers None for those stored), the
+      staging room now (what does not fit is skipped), the copies during the forward, then one
+      device write per block, in order; a write the device refuses (write buffer full) is skipped,
+      counted and revoked, so the next turn offers it again; one ``put_end``.
+
+    ``prefetch=False`` (the ``cmm-h`` tier: policy ``lru``): no Manager window; demand reads in order.
+    """
+
+    name = "hymcache"
+
+    def __init__(self, env: Env, host: Host, block_bytes: int, cfg, *, window_bytes: int, timeout_s: float,
+                 prefetch: bool = True, name: str | None = None):
+        from emulator.controller import Controller
+        from host_runtime.hymcache.clock import ManualClock
+        from host_runtime.hymcache.manager import FIRST_POLL_S
+        from host_runtime.hymcache.master import Master
+
+        super().__init__(env, host, block_bytes)
+        if name:
+            self.name = name
+        self.cfg, self.prefetch = cfg, prefetch
+        self.ctl = Controller(cfg, None)
+        self.dev = ControllerDevice(self.ctl, env)
+        self.clock = ManualClock()
+        self.master = Master(self.clock)
+        self.manager = sim_manager(0, [self.dev], self.master, self.clock, window_bytes=window_bytes)
+        self.timeout_ns = timeout_s * NS
+        self.poll_ns = FIRST_POLL_S * NS
+        self.poll_max_ns = 1e-3 * NS  # ManagerClient's default poll_s
+        self.refusal_ns = 2 * cfg.host_link.latency_ns  # a refused write costs one round trip
+        self._keys: dict[int, list[bytes]] = {}
+        self._hinted: set[str] = set()  # requests the Manager has a hint of
+        self._stores: dict[str, tuple[list, list[float]]] = {}
+        self.counters = dict.fromkeys(("hinted_blocks", "loaded_blocks", "timeouts", "load_errors", "put_blocks",
+                                       "written_blocks", "refused_writes", "staging_skips", "put_no_space"), 0)
+
+    def _sync(self) -> float:
+        self.clock.t = self.env.now / NS  # the simulation owns this clock
+        return self.env.now
+
+    def keys(self, conv: int, n: int) -> list[bytes]:
+        """The Master's 16-byte keys of a conversation's first ``n`` blocks (a block's key names its whole
+        prefix: the conversation and its position)."""
+        ks = self._keys.setdefault(conv, [])
+        while len(ks) < n:
+            ks.append(struct.pack("<QQ", conv + 1, len(ks)))
+        return ks[:n]
+
+    def lookup(self, req) -> int:
+        first, last = req.gpu_hit, req.lookup_blocks
+        if last <= first:
+            return 0
+        keys = self.keys(req.conv, last)[first:]
+        self._sync()
+        if self.prefetch:
+            n = self.manager.hint(req.rid, keys)
+            self._hinted.add(req.rid)
+        else:
+            n = len(self.master.lookup(keys))
+        self.counters["hinted_blocks"] += n
+        return n
+
+    def load(self, req, n: int):
+        if n <= 0:
+            return 0
+        env, staging, B = self.env, self.host.staging, self.block_bytes
+        start = env.now
+        deadline = start + self.timeout_ns
+        keys = self.keys(req.conv, req.gpu_hit + n)[req.gpu_hit:]
+        locs = None if self.prefetch else self.master.lookup(keys)  # demand reads: where each block is
+        done, last = 0, start
+        for i, key in enumerate(keys):
+            yield from staging.take(B)
+            ok = yield from (self._acquire(req, key, keys[i:], deadline) if self.prefetch else self._demand(req, locs, i))
+            if not ok:
+                staging.give(B)
+                break
+            arrive = self.host.h2d.transfer(env.now, B)
+            env.call_at(arrive, lambda: staging.give(B))
+            last = max(last, arrive)
+            done += 1
+            req.read_bytes += B
+        self.finish(req)  # the Manager cancels what it still stages for the request
+        self.counters["loaded_blocks"] += done
+        if last > env.now:
+            yield last
+        return done
+
+    def _acquire(self, req, key: bytes, rest: list[bytes], deadline: float):
+        """Process: one block through the Manager; True once read into the staging buffer."""
+        env, manager = self.env, self.manager
+        pause, rehinted = self.poll_ns, False
+        while True:
+            self._sync()
+            try:
+                token = manager.acquire(req.rid, key, 0.0)
+                break
+            except ChmError as exc:
+                if exc.errno == errno.ETIMEDOUT and env.now < deadline:  # queued behind a window or EBUSY
+                    yield min(env.now + pause, deadline)
+                    pause = min(2 * pause, self.poll_max_ns)
+                    continue
+                if exc.errno == errno.ENOENT and not rehinted:  # the hint was cancelled: hint the rest again
+                    rehinted = True
+                    manager.hint(req.rid, rest)
+                    continue
+                self._fail(req, exc.errno == errno.ETIMEDOUT)
+                return False
+        ready = self.dev.ready_ns.get(token.handle, env.now)
+        if ready > deadline:  # not staged within the timeout: the worker waited for it, then recomputes
+            yield max(deadline, env.now)
+            self._sync()
+            manager.release(req.rid, key)
+            self._fail(req, True)
+            return False
+        if ready > env.now:
+            yield ready
+        finish = self.ctl.read(token.offset, token.length, self.dev._now())
+        yield finish
+        self._sync()
+        manager.release(req.rid, key)
+        return True
+
+    def _demand(self, req, locs, i: int):
+        if i >= len(locs):  # evicted from the Master since the lookup
+            self._fail(req, False)
+            return False
+        loc = locs[i]
+        finish = self.ctl.read(loc.offset, loc.length, self.dev._now())
+        if finish > self.env.now + self.timeout_ns:
+            yield self.env.now + self.timeout_ns
+            self._fail(req, True)
+            return False
+        yield finish
+        return True
+
+    def _fail(self, req, timeout: bool) -> None:
+        self.counters["timeouts" if timeout else "load_errors"] += 1
+        req.timeouts += timeout
+
+    def finish(self, req) -> None:
+        """The connector's ``_finish_on``: after the load, or at once when nothing is loaded (a hint with no
+        hits, or a request the GPU prefix cache served) -- the Manager forgets the request."""
+        if req.rid in self._hinted:
+            self._hinted.discard(req.rid)
+            self._sync()
+            self.manager.finish(req.rid)
+
+    def reserve_store(self, req) -> None:
+        keys = self.keys(req.conv, req.full_blocks)
+        if not keys:
+            return
+        self._sync()
+        try:
+            locs = self.master.put_start(req.rid, keys, [self.block_bytes] * len(keys))
+        except ChmError as exc:  # ENOSPC: nothing evictable (all leased); offered again next turn
+            if exc.errno != errno.ENOSPC:
+                raise
+            self.counters["put_no_space"] += 1
+            return
+        todo = [loc for loc in locs if loc is not None]
+        if not todo:
+            return
+        self.counters["put_blocks"] += len(todo)
+        room = max(0, self.host.staging.free() // self.block_bytes)
+        if room < len(todo):
+            skipped = todo[room:]
+            todo = todo[:room]
+            self.master.put_revoke([loc.key for loc in skipped])
+            self.counters["staging_skips"] += len(skipped)
+            req.skipped_inserts += len(skipped)
+        if not todo:
+            return
+        self.host.staging.hold(len(todo) * self.block_bytes)
+        arrivals = self.host.d2h.stream([self.env.now] * len(todo), [self.block_bytes] * len(todo))
+        self._stores[req.rid] = (todo, arrivals)
+
+    def store(self, req):
+        pending = self._stores.pop(req.rid, None)
+        if pending is None:
+            return
+        todo, arrivals = pending
+        env, B = self.env, self.block_bytes
+        written, refused = [], []
+        for loc, arrived in zip(todo, arrivals):
+            if arrived > env.now:
+                yield arrived
+            try:
+                finish = self.ctl.write(loc.offset, None, loc.length, self.dev._now())
+            except WriteBufferFull:
+                refused.append(loc.key)
+                finish = env.now + self.refusal_ns
+            else:
+                written.append(loc.key)
+                req.write_bytes += loc.length
+            yield finish
+            self.host.staging.give(B)
+        self._sync()
+        if refused:
+            self.master.put_revoke(refused)
+            self.counters["refused_writes"] += len(refused)
+            req.skipped_inserts += len(refused)
+        if written:
+            self.master.put_end(written, [0] * len(written))
+            self.counters["written_blocks"] += len(written)
+
+    def describe(self) -> dict:
+        snap = self.ctl.snapshot()
+        m = self.master.stats()
+        return {"tier": self.name, "device_policy": self.cfg.policy.name, "dram_bytes": self.cfg.dram.size_bytes,
+                "write_buffer_bytes": self.cfg.write_buffer_frames * self.cfg.device.page_size_bytes,
+                **self.counters,
+                "device": {k: snap[k] for k in ("page_hits", "page_misses", "prefetch_staged_pages",
+                                                "prefetch_resident_pages", "refused_writes", "flushed_pages",
+                                                "slowed_reads", "ssd_read_bytes", "ssd_write_bytes")},
+                "master": {k: m[k] for k in ("blocks", "evictions", "revoked_blocks", "registered_blocks",
+                                             "lookup_hits", "put_no_space")},
+                "manager": {k: self.manager.counters[k] for k in ("hints", "hint_hits", "prefetches", "ebusy",
+                                                                  "releases", "finished",
+                                                                  "num_timeouts_recompute")}}

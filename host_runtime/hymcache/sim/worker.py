@@ -1,0 +1,204 @@
+"""A vLLM-like serving worker (v1 scheduler, one GPU) and the benchmark client, as simulation processes.
+
+Worker, one step at a time (``Worker.run``):
+
+1. schedule with a token budget of ``max_num_batched_tokens`` (chunked prefill): running requests
+   first (a decode token each, or the next chunk of their prefill), then waiting requests first come
+   first served while ``max_num_seqs`` allows. A waiting request is looked up once: the GPU prefix
+   cache's longest hit, then the remote tier beyond it (``RemoteTier.lookup``); it is admitted if the
+   GPU's KV cache can hold its blocks (evicting free cached blocks), else it waits (head of line);
+2. the KV connector's loads of newly admitted requests, synchronously (``start_load_kv``: the
+   connector loads before the forward; LMCache's non-layerwise mode does the same). A block not
+   loaded is recomputed: the request's computed prefix stops there;
+3. stores of requests whose prefill completes in this step are reserved (copies run during the
+   forward), the forward runs (``gpu.StepModel``), then the stores are written (``wait_for_save``);
+4. outputs: a request whose prefill completed has its first token (TTFT) at the end of the step,
+   its newly full blocks join the GPU prefix cache; after ``max_tokens`` tokens it finishes, its
+   blocks go free (tail first), the tier is told.
+
+Prefix lookups never include the prompt's last token (it must be computed to give the logits), as
+vLLM and the connector do: ``lookup_blocks = (input - 1) // tokens_per_block``.
+
+The client (``client``) runs the turns one after another (a barrier between turns, as the figure's
+per-turn rows are measured): each turn's requests, in conversation order, with at most
+``concurrency`` in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .events import Env
+
+
+class Request:
+    __slots__ = ("rid", "conv", "turn", "input", "max_tokens", "full_blocks", "lookup_blocks", "reusable_blocks",
+                 "gpu_hit", "remote_hit", "loaded", "computed", "generated", "looked_up", "alloc_blocks",
+                 "cached", "arrival", "first_token", "finish", "done", "read_bytes", "write_bytes",
+                 "skipped_inserts", "timeouts", "new_load", "computed_tokens")
+
+    def __init__(self, turn, tokens_per_block: int, max_tokens: int, done):
+        self.rid = f"c{turn.conversation}-t{turn.turn}"
+        self.conv, self.turn = turn.conversation, turn.turn
+        self.input, self.max_tokens = turn.input_tokens, max_tokens
+        self.full_blocks = turn.input_tokens // tokens_per_block
+        self.lookup_blocks = (turn.input_tokens - 1) // tokens_per_block
+        # blocks an earlier request computed: the previous turn's full input blocks
+        self.reusable_blocks = min(turn.prev_input_tokens // tokens_per_block, self.lookup_blocks)
+        self.gpu_hit = self.remote_hit = self.loaded = self.computed = self.generated = 0
+        self.looked_up = False
+        self.alloc_blocks = 0
+        self.cached: list = []
+        self.arrival = self.first_token = self.finish = 0.0
+        self.done = done
+        self.read_bytes = self.write_bytes = self.skipped_inserts = self.timeouts = 0
+        self.new_load = 0
+        self.computed_tokens = 0  # prefill tokens the GPU computed for it
+
+    def gpu_key(self, i: int) -> int:
+        return (self.conv << 24) | i
+
+
+class Worker:
+    def __init__(self, env: Env, step_model, gpu_cache, tier, *, tokens_per_block: int, max_num_batched_tokens: int,
+                 max_num_seqs: int):
+        self.env, self.step_model, self.gpu, self.tier = env, step_model, gpu_cache, tier
+        self.B = tokens_per_block
+        self.budget, self.max_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._wake = None
+        self.steps = 0
+        self.busy_ns = 0.0
+        self.load_ns = 0.0
+
+    def submit(self, req: Request) -> None:
+        req.arrival = self.env.now
+        self.waiting.append(req)
+        if self._wake is not None:
+            wake, self._wake = self._wake, None
+            wake.succeed()
+
+    def _look_up(self, r: Request) -> None:
+        r.looked_up = True
+        keys = [r.gpu_key(i) for i in range(r.lookup_blocks)]
+        r.gpu_hit = self.gpu.match(keys)
+        r.remote_hit = self.tier.lookup(r)
+
+    def run(self):
+        env, B, gpu, tier = self.env, self.B, self.gpu, self.tier
+        while True:
+            if not self.waiting and not self.running:
+                self._wake = env.event()
+                yield self._wake
+                continue
+            budget = self.budget
+            chunks: list[tuple[Request, int]] = []  # (request, tokens this step)
+            for r in self.running:
+                if budget <= 0:
+                    break
+                n = min(budget, r.input - r.computed) if r.computed < r.input else 1
+                chunks.append((r, n))
+                budget -= n
+            admitted = []
+            while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+                r = self.waiting[0]
+                if not r.looked_up:
+                    self._look_up(r)
+                blocks = -(-(r.input + r.max_tokens) // B)
+                hit = [r.gpu_key(i) for i in range(r.gpu_hit)]
+                if not gpu.allocate(hit, blocks - r.gpu_hit):
+                    if not self.running:
+                        raise ValueError(f"request {r.rid} needs {blocks} KV blocks; the GPU's KV cache holds "
+                                         f"{gpu.capacity} (raise gpu_memory_utilization or use a smaller model)")
+                    break
+                self.waiting.popleft()
+                self.running.append(r)
+                r.alloc_blocks, r.cached = blocks, hit
+                r.new_load = r.remote_hit
+                r.computed = (r.gpu_hit + r.remote_hit) * B
+                n = min(budget, r.input - r.computed)
+                chunks.append((r, n))
+                admitted.append(r)
+                budget -= n
+            if not chunks:
+                self._wake = env.event()
+                yield self._wake
+                continue
+            t0 = env.now
+            # the connector's loads, before the forward
+            for r in admitted:
+                if r.new_load:
+                    loaded = yield from tier.load(r, r.new_load)
+                    r.loaded = loaded
+                    self._cache(r, r.gpu_hit + loaded)
+                    if loaded < r.new_load:  # recompute from the first block not loaded
+                        r.computed = (r.gpu_hit + loaded) * B
+                    r.new_load = 0
+                else:
+                    tier.finish(r)  # nothing to load: the Manager forgets its hint now (update_state_after_alloc)
+            self.load_ns += env.now - t0
+            # what this step computes (positions may have moved back after a failed load)
+            spans = []
+            completing = []
+            for r, n in chunks:
+                if r.computed < r.input:
+                    n = min(n, r.input - r.computed)
+                    spans.append((r.computed, n))
+                    if r.computed + n >= r.input:
+                        completing.append(r)
+                else:
+                    spans.append((r.input + r.generated - 1, 1))
+            for r in completing:
+                tier.reserve_store(r)
+            yield env.now + self.step_model.step_ns(spans)
+            for r in completing:
+                yield from tier.store(r)
+            self.steps += 1
+            self.busy_ns += env.now - t0
+            now = env.now
+            for (r, _), (start, n) in zip(chunks, spans):
+                if r.computed < r.input:
+                    r.computed_tokens += n
+                    r.computed = start + n
+                    self._cache(r, min(r.computed // B, r.full_blocks))
+                    if r.computed >= r.input:
+                        r.generated = 1
+                        r.first_token = now
+                else:
+                    r.generated += 1
+                if r.generated >= r.max_tokens:
+                    self._finish(r)
+
+    def _cache(self, r: Request, upto: int) -> None:
+        """``r``'s blocks up to ``upto`` are full and computed (or loaded): into the GPU prefix cache."""
+        if self.gpu.caching and upto > len(r.cached):
+            keys = [r.gpu_key(i) for i in range(len(r.cached), upto)]
+            self.gpu.cache(keys)
+            r.cached.extend(keys)
+
+    def _finish(self, r: Request) -> None:
+        self.running.remove(r)
+        self.gpu.free(r.cached, r.alloc_blocks - len(r.cached))
+        self.tier.finish(r)
+        r.finish = self.env.now
+        r.done.succeed(r)
+
+
+def client(env: Env, turns, worker: Worker, *, concurrency: int, tokens_per_block: int, max_tokens: int,
+           on_turn_start, on_done):
+    """Turn by turn, a barrier between turns; each turn's requests in order, ``concurrency`` in flight."""
+    for t, batch in enumerate(turns, 1):
+        on_turn_start(t, env.now)
+        queue = deque(batch)
+
+        def slot():
+            while queue:
+                req = Request(queue.popleft(), tokens_per_block, max_tokens, env.event())
+                worker.submit(req)
+                yield req.done
+                on_done(req)
+
+        slots = [env.process(slot()) for _ in range(min(concurrency, len(batch)))]
+        for s in slots:
+            yield s.done
