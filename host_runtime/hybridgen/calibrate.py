@@ -1,7 +1,9 @@
 """A platform file describing this machine, measured, for checking the model against ``generate``.
 
 The paper's platforms (A, B, C) are described by spec sheets; this machine is
-measured instead. With the file, the model's CPU and transfer times of a step
+measured instead. Every time here is a best case (the minimum over repeated calls,
+or over repeated runs step by step): on a shared machine another process's work
+lands in a wall-clock time only as an excess, which the minimum drops. With the file, the model's CPU and transfer times of a step
 come within ±25 % of what the engine measures (``test_hybridgen_calibration``)
 only if the model's mechanisms scale right: everything measured here is a rate
 or a cost at (almost) zero tokens, and the check runs at a thousand.
@@ -36,22 +38,29 @@ BANDWIDTH_BUFFER_BYTES = 256 << 20   # far beyond the last-level cache
 GATHER_BUFFER_BYTES = 64 << 20       # rows gathered from host DRAM for the copy bandwidth
 CACHED_TOKENS = 256                  # K rows that stay in L2 for the FLOP rates
 CXL_BANDWIDTH_BYTES = 4 << 20        # one large read of written rows from the CXL tier
-REPEATS = 31                         # micro-benchmarks: median of this many calls
+REPEATS = 31                         # micro-benchmarks: the fastest of this many calls
 IN_SITU_PROMPT = 256                 # the short generation: prompt tokens ...
 IN_SITU_RESIDENT = 2                 # ... of which this many stay on the accelerator
 IN_SITU_K = 64                       # selected offloaded tokens per layer
 IN_SITU_STEPS = 17                   # decode steps; the first (cold) is dropped
+IN_SITU_RUNS = 3                     # the generation is repeated; each step's time is its fastest run's
 
 
 def timed(fn, repeats: int = REPEATS) -> float:
-    """Median seconds of ``fn()`` after one warm-up call."""
+    """Fewest seconds of ``fn()`` over ``repeats`` calls after one warm-up call (load only adds time)."""
     fn()
-    out = []
+    best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    return median(out)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def fastest_runs(runs: list[list], fields: tuple[str, ...]) -> list[dict[str, float]]:
+    """Steps of repeated runs (the same steps, each run a list of ``StepStats``) -> per step, each field's
+    minimum over the runs: a step's time with the least interference from other processes."""
+    return [{f: min(getattr(s, f) for s in same) for f in fields} for same in zip(*runs)]
 
 
 def read_bandwidth(device: torch.device) -> float:
@@ -93,19 +102,20 @@ def cxl_costs(cxl, region_bytes: int) -> tuple[float, float]:
 
 
 def in_situ(model, host_dram_bytes: float) -> dict[str, float]:
-    """Per-layer medians over the steps of a short generation with K = IN_SITU_K, post-QKᵀ:
-    t_cpu, t_tx, t_gpu (seconds) and cxl_reads (read requests)."""
+    """Per-layer medians over the steps of a short generation with K = IN_SITU_K, post-QKᵀ, each step's time
+    the fastest of IN_SITU_RUNS runs: t_cpu, t_tx, t_gpu (seconds) and cxl_reads (read requests)."""
     from .engine import Engine, EngineOptions
 
     opts = EngineOptions(method="hybridgen", strategy=POST, k_min=IN_SITU_K, k_max=IN_SITU_K,
                          resident_budget=IN_SITU_RESIDENT, host_dram_bytes=host_dram_bytes,
                          capacity=IN_SITU_PROMPT + IN_SITU_STEPS + 2)
-    with Engine(model, opts) as eng:
-        eng.generate(list(range(100, 100 + IN_SITU_PROMPT)), IN_SITU_STEPS + 1)
-        steps, layers = eng.steps[1:], model.cfg.n_layers
-    out = {f: median(getattr(s, f) for s in steps) / layers for f in ("t_cpu", "t_tx", "t_gpu")}
-    out["cxl_reads"] = median(s.cxl_reads for s in steps) / layers
-    return out
+    runs, layers = [], model.cfg.n_layers
+    for _ in range(IN_SITU_RUNS):
+        with Engine(model, opts) as eng:
+            eng.generate(list(range(100, 100 + IN_SITU_PROMPT)), IN_SITU_STEPS + 1)
+            runs.append(eng.steps[1:])
+    steps = fastest_runs(runs, ("t_cpu", "t_tx", "t_gpu", "cxl_reads"))
+    return {f: median(s[f] for s in steps) / layers for f in ("t_cpu", "t_tx", "t_gpu", "cxl_reads")}
 
 
 def measure(model) -> dict:

@@ -41,11 +41,18 @@ HYBRID_FAMILY = ("hybridgen", "h2o", "keyformer", "streamingllm", "infinigen")
 ENGINE_MODEL = "smollm2-135m"  # the model this engine runs, by its name in models.toml
 
 
-def timed(fn, *args) -> float:
-    """Seconds ``fn(*args)`` took."""
-    t0 = time.perf_counter()
+def timed(fn, *args, clock=time.perf_counter) -> float:
+    """Seconds ``fn(*args)`` took on ``clock``."""
+    t0 = clock()
     fn(*args)
-    return time.perf_counter() - t0
+    return clock() - t0
+
+
+def timed_both(fn, *args, clock=time.perf_counter) -> tuple[float, float]:
+    """(wall seconds, seconds on ``clock``) of ``fn(*args)``."""
+    w0, c0 = time.perf_counter(), clock()
+    fn(*args)
+    return time.perf_counter() - w0, clock() - c0
 
 
 def accelerator_device() -> torch.device:
@@ -131,7 +138,7 @@ class StepStats:
     strategy: str
     t_cpu: float           # seconds: CPU logits + selection (sum over layers; the job's thread CPU time)
     t_gpu: float           # seconds: accelerator work
-    t_tx: float            # seconds: fetching selected rows from host tiers
+    t_tx: float            # seconds: fetching selected rows from host tiers (``Engine.tx_clock``)
     batch: int = 1
     model_t_cpu: float = 0.0
     model_t_tx: float = 0.0
@@ -172,6 +179,11 @@ class Engine:
         self.shape = perfmodel.load_models()[ENGINE_MODEL]
         self.platform = perfmodel.load_platform(opts.platform)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridgen-cpu")
+        # The transfer's clock. With a CPU "accelerator" a transfer is the CPU copying rows (and the in-process
+        # CXL tier serving reads) in the thread that asks: its thread CPU time, as for t_cpu, leaves out the
+        # waits for Python's lock and for CPUs other processes hold, which a DMA engine would not have.
+        # A real accelerator's copies are timed on the wall clock.
+        self.tx_clock = time.thread_time if dev.type == "cpu" else time.perf_counter
         self.n_tokens = [0] * opts.batch
         self.steps: list[StepStats] = []
 
@@ -304,7 +316,7 @@ class Engine:
         ahead = (opts.method == "hybridgen" and opts.layer_ahead) or opts.method == "infinigen"
         prefetch = hybrid and opts.prefetch
         if prefetch:
-            t_tx += timed(host.prefetch_values, 0)
+            t_tx += timed(host.prefetch_values, 0, clock=self.tx_clock)
         pcie = 0
         staging = None  # the worker's prefetch of the next layer's V (seconds, when done)
         for layer in range(cfg.n_layers):
@@ -313,10 +325,10 @@ class Engine:
             launch = ahead and opts.exact_layers <= layer + 1 < cfg.n_layers
             if prefetch and layer + 1 < cfg.n_layers:  # the device stages layer+1's V while this layer runs:
                 if launch:                             # the CPU side asks, before its logits job
-                    next_staging = self.worker.submit(timed, host.prefetch_values, layer + 1)
+                    next_staging = self.worker.submit(timed, host.prefetch_values, layer + 1, clock=self.tx_clock)
                 else:
-                    dt = timed(host.prefetch_values, layer + 1)
-                    t_tx, not_accel = t_tx + dt, not_accel + dt
+                    wall, dt = timed_both(host.prefetch_values, layer + 1, clock=self.tx_clock)
+                    t_tx, not_accel = t_tx + dt, not_accel + wall
             if launch:  # start layer+1's logits from this layer's input
                 nxt = self.worker.submit(self._cpu_job, layer + 1, None, x.cpu(), pos, k_budget, strategy)
             q, k, v = self.accel.qkv(layer, x, pos)  # q [Hq, B, d], k, v [Hkv, B, d]
@@ -327,15 +339,14 @@ class Engine:
             if opts.method == "full":
                 attn = monolithic_attention(qb, rk, rv, rmask)
             elif opts.method in ("flexgen", "moe-lightning"):
-                ta = time.perf_counter()
+                ta, ca = time.perf_counter(), self.tx_clock()
                 batch = range(opts.batch)
                 hk, hmask = pad_stack([host.keys(layer, b) for b in batch], axis=1)
                 hv, _ = pad_stack([host.values(layer, host.positions(layer, b), b) for b in batch], axis=1)
                 mask = torch.cat([hmask, rmask], -1)
                 if opts.method == "flexgen":  # every offloaded row streams to the accelerator
                     hk, hv = hk.to(x.device), hv.to(x.device)
-                    dt = time.perf_counter() - ta
-                    t_tx, not_accel = t_tx + dt, not_accel + dt
+                    t_tx, not_accel = t_tx + self.tx_clock() - ca, not_accel + time.perf_counter() - ta
                     pcie += (hk.numel() + hv.numel()) * 4
                     attn = monolithic_attention(qb, torch.cat([hk, rk], 2), torch.cat([hv, rv], 2), mask)
                 else:  # attention where the rows are: the CPU
@@ -353,7 +364,7 @@ class Engine:
                 else:
                     results, seconds = self._cpu_job(layer, qb.cpu(), None, pos, k_budget, strategy)
                 t_cpu += seconds
-                ta = time.perf_counter()
+                ta, ca = time.perf_counter(), self.tx_clock()
                 logits = [r.logits for r in results]
                 if opts.method == "infinigen":  # speculation only chose tokens: fetch their K, use the true query
                     k_sel = [host.keys_at(layer, r.idx, b).to(x.device) for b, r in enumerate(results)]
@@ -362,9 +373,8 @@ class Engine:
                 v_sel = [host.values(layer, r.idx, b) for b, r in enumerate(results)]
                 if prefetch:
                     host.release_values(layer)
-                dt = time.perf_counter() - ta
-                t_tx += dt
-                not_accel += ta - tw + dt
+                t_tx += self.tx_clock() - ca
+                not_accel += time.perf_counter() - tw
                 pcie += sum(v.numel() + r.logits.numel() for v, r in zip(v_sel, results)) * 4
                 off_logits, omask = pad_stack(logits, axis=1)
                 off_v, _ = pad_stack(v_sel, axis=1)

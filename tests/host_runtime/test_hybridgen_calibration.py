@@ -1,10 +1,12 @@
 """The performance model against this machine: calibrate, then the model's CPU and transfer times of a
 generation must come within ±25 % of what the engine measures (median over 32 steps of per-step ratios).
 
-Wall-clock times on a shared 2-core box: the check skips while other processes load the machine (their
-work lands in the measured times, not in the model), and each attempt recalibrates."""
+Wall-clock times on a shared 2-core box: other processes' work lands in the measured times, never in the
+model, and only as an excess. So the calibration takes best cases (``calibrate``) and the check likewise
+repeats the generation and takes, step by step, the fastest of the runs (a burst of load slows one run's
+steps, rarely the same step of every run). Without a GPU, T_cpu and T_tx are thread CPU times (``Engine``),
+which leave out the time other processes hold the CPUs. No skip: the check runs under load too."""
 
-import os
 from statistics import median
 
 import pytest
@@ -17,11 +19,9 @@ from .test_hybridgen_model import smol  # noqa: F401 -- the fixture
 
 CHECK_PROMPT_TOKENS = 1000  # ~4x the calibration's offloaded tokens (calibrate.IN_SITU_PROMPT)
 CHECK_STEPS = 32
+CHECK_RUNS = 3    # the generation is repeated; each step's measured time is its fastest run's
 TOLERANCE = 0.25
-
-
-ATTEMPTS = 3  # a shared 2-core box: another process's burst can skew one calibration or one check
-BUSY_MARGIN = 0.5  # load average above the CPU count by this much: other processes compete for the CPUs
+ATTEMPTS = 2      # a second calibration if the first was skewed by a burst no minimum could drop
 
 
 def calibrated(model, path):
@@ -30,16 +30,23 @@ def calibrated(model, path):
 
 
 def model_over_measured(model, tok, platform, strategy, prefill) -> dict[str, float]:
-    """Median over CHECK_STEPS steps of the per-step ratio of modelled to measured time, for T_cpu and T_tx."""
+    """Median over CHECK_STEPS steps of the per-step ratio of modelled to measured time, for T_cpu and T_tx;
+    a step's measured time is the fastest of CHECK_RUNS runs (``generate --strategy post --k-min 64``)."""
     ids = tok.encode(long_english_text())[:CHECK_PROMPT_TOKENS]
     opts = EngineOptions(method="hybridgen", strategy=strategy, resident_budget=32, k_min=64, k_max=512,
                          platform=str(platform), capacity=CHECK_PROMPT_TOKENS + CHECK_STEPS + 4)
-    with Engine(model, opts) as eng:
-        eng.generate(ids, CHECK_STEPS + 2, prefilled=prefill(eng, ids))
-        steps = eng.steps[1:CHECK_STEPS + 1]  # the first step is cold (the scheduler ignores it too)
-    assert len(steps) == CHECK_STEPS
-    return {name: median(getattr(s, f"model_t_{name}") / getattr(s, f"t_{name}") for s in steps)
-            for name in ("cpu", "tx")}
+    runs = []
+    for _ in range(CHECK_RUNS):
+        with Engine(model, opts) as eng:
+            eng.generate(ids, CHECK_STEPS + 2, prefilled=prefill(eng, ids))
+            runs.append(eng.steps[1:CHECK_STEPS + 1])  # the first step is cold (the scheduler ignores it too)
+    assert all(len(r) == CHECK_STEPS for r in runs)
+    fields = ("t_cpu", "t_tx", "model_t_cpu", "model_t_tx")
+    # the model's times depend on the placement, never on timing: every run models the same steps
+    assert all([getattr(s, f) for s in r for f in fields[2:]] == [getattr(s, f) for s in runs[0] for f in fields[2:]]
+               for r in runs)
+    steps = calibrate.fastest_runs(runs, fields)
+    return {name: median(s[f"model_t_{name}"] / s[f"t_{name}"] for s in steps) for name in ("cpu", "tx")}
 
 
 def test_calibrated_file_loads_as_a_platform(smol, tmp_path):  # noqa: F811
@@ -48,25 +55,15 @@ def test_calibrated_file_loads_as_a_platform(smol, tmp_path):  # noqa: F811
     assert p.cpu_task_overhead > 0 and p.pcie_lat > 0 and p.cxl_request_overhead > 0
 
 
-def busy_elsewhere() -> str | None:
-    """Why a wall-clock check cannot mean anything now: other processes hold the CPUs (None: they do not)."""
-    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cpus + BUSY_MARGIN:  # this test's own two threads account for up to ~2 of the load
-        return f"the machine is busy: load {load:.1f} on {cpus} CPUs"
-    return None
-
-
 def test_model_within_25_percent_of_generate_on_this_machine(smol, tmp_path):  # noqa: F811
     """Calibrate, then generate 1000 tokens in with post-QKᵀ pinned at K = 64 (``generate --strategy post
-    --k-min 64``): each attempt recalibrates; one attempt within ±25 % passes.
+    --k-min 64``): within ±25 % passes; a second attempt recalibrates.
 
     Not checked: Algorithm 1's own run, where K grows to ~300. There the measured CPU time exceeds the
     model by 25-40 %: the accelerator's thread does more transfer work beside the CPU job, and the two
     threads share this machine's two vCPUs — an interference the model does not describe.
     """
     strategy = "post"
-    if reason := busy_elsewhere():
-        pytest.skip(reason)
     model, tok = smol
     seen, prefill = [], PrefillCache(model)
     for _ in range(ATTEMPTS):
