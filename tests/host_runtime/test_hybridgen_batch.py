@@ -45,8 +45,8 @@ def decode(model, opts, prompts, continuations):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_batch_equals_independent_runs(smol, case):  # noqa: F811
+def batch_and_alone(smol, case: str):
+    """(sequence b, its logits decoded in the ragged batch, its logits decoded alone) for each sequence."""
     model, tok = smol
     ids = tok.encode(long_english_text())
     prompts = [ids[100 * b:100 * b + n] for b, n in enumerate(LENGTHS)]
@@ -56,9 +56,15 @@ def test_batch_equals_independent_runs(smol, case):  # noqa: F811
     batched = decode(model, EngineOptions(batch=len(LENGTHS), **base), prompts, continuations)
     for b in range(len(LENGTHS)):
         alone = decode(model, EngineOptions(batch=1, **base), prompts[b:b + 1], continuations[b:b + 1])
-        diff = (torch.softmax(batched[:, b], -1) - torch.softmax(alone[:, 0], -1)).abs().max().item()
+        yield b, batched[:, b], alone[:, 0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_batch_equals_independent_runs(smol, case):  # noqa: F811
+    for b, batched, alone in batch_and_alone(smol, case):
+        diff = (torch.softmax(batched, -1) - torch.softmax(alone, -1)).abs().max().item()
         assert diff <= TOLERANCE, f"{case}: sequence {b}'s probabilities differ by {diff:.2e}"
-        assert torch.equal(batched[:, b].argmax(-1), alone[:, 0].argmax(-1))
+        assert torch.equal(batched.argmax(-1), alone.argmax(-1))
 
 
 def test_padding_is_masked(smol):  # noqa: F811
@@ -124,14 +130,6 @@ def test_batch_logits_equal_independent_runs_with_rowwise_dense_layers(smol, mon
     masks, per-sequence selector state, placement and eviction per sequence — is exact, and the rest is fp32
     GEMM rounding over B rows."""
     rowwise_dense(monkeypatch)
-    model, tok = smol
-    ids = tok.encode(long_english_text())
-    prompts = [ids[100 * b:100 * b + n] for b, n in enumerate(LENGTHS)]
-    continuations = [ids[100 * b + n:100 * b + n + STEPS] for b, n in enumerate(LENGTHS)]
-    base = {"resident_budget": 8, "layer_ahead": False, "host_dram_bytes": 30 * ROW_BYTES_ALL_LAYERS, "capacity": 72,
-            **CASES[case]}
-    batched = decode(model, EngineOptions(batch=len(LENGTHS), **base), prompts, continuations)
-    for b in range(len(LENGTHS)):
-        alone = decode(model, EngineOptions(batch=1, **base), prompts[b:b + 1], continuations[b:b + 1])
-        diff = (batched[:, b] - alone[:, 0]).abs().max().item()
+    for b, batched, alone in batch_and_alone(smol, case):
+        diff = (batched - alone).abs().max().item()
         assert diff <= TOLERANCE, f"{case}: sequence {b}'s logits differ by {diff:.2e}"
