@@ -1,9 +1,11 @@
 /*
  * The C side of bench/bench_libchm.py. Prints one JSON object per run.
  *
- *   bench_libchm floor ITERS           bare shared-memory ring round trip (two processes, spinning)
- *   bench_libchm lat NODE ITERS        4 KiB DRAM-hit chm_read latency
- *   bench_libchm tput NODE SIZE ITERS  SIZE-byte DRAM-hit reads: copy path, zero-copy path, memcpy
+ *   bench_libchm lat NODE ITERS [ROUNDS]  4 KiB DRAM-hit chm_read latency; with ROUNDS, beside the bare
+ *                                         shared-memory ring round trip (two processes, spinning): ROUNDS
+ *                                         rounds of ITERS samples each, the two taking turns, each reporting
+ *                                         its median round
+ *   bench_libchm tput NODE SIZE ITERS   SIZE-byte DRAM-hit reads: copy path, zero-copy path, memcpy
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -30,11 +32,29 @@ static int cmp_u64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static void percentiles(uint64_t *v, int n, const char *name)
+/* One round's percentiles of n samples (sorted in place). */
+struct round { uint64_t p50, p99, min; };
+
+static struct round percentiles(uint64_t *v, int n)
 {
     qsort(v, n, sizeof(*v), cmp_u64);
-    printf("{\"what\": \"%s\", \"iters\": %d, \"p50_ns\": %llu, \"p99_ns\": %llu, \"min_ns\": %llu}\n", name, n,
-           (unsigned long long)v[n / 2], (unsigned long long)v[(int)(n * 0.99)], (unsigned long long)v[0]);
+    return (struct round){ v[n / 2], v[(int)(n * 0.99)], v[0] };
+}
+
+/* The median round of each percentile, as one JSON line. */
+static void print_rounds(struct round *r, int rounds, int iters, const char *name)
+{
+    uint64_t p50[rounds], p99[rounds], min = UINT64_MAX;
+    for (int i = 0; i < rounds; i++) {
+        p50[i] = r[i].p50;
+        p99[i] = r[i].p99;
+        min = r[i].min < min ? r[i].min : min;
+    }
+    qsort(p50, rounds, sizeof(uint64_t), cmp_u64);
+    qsort(p99, rounds, sizeof(uint64_t), cmp_u64);
+    printf("{\"what\": \"%s\", \"iters\": %d, \"rounds\": %d, \"p50_ns\": %llu, \"p99_ns\": %llu, "
+           "\"min_ns\": %llu}\n", name, iters, rounds, (unsigned long long)p50[rounds / 2],
+           (unsigned long long)p99[rounds / 2], (unsigned long long)min);
 }
 
 /* The floor: one 64-byte command through a shared ring and one 32-byte
@@ -47,7 +67,7 @@ struct floor_ring {
     _Alignas(64) uint64_t cqe[4];
 };
 
-static int run_floor(int iters)
+static struct round run_floor(int iters)
 {
     struct floor_ring *r = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     memset(r, 0, sizeof(*r));
@@ -73,8 +93,10 @@ static int run_floor(int iters)
             lat[i - 100] = now_ns() - t0;
     }
     waitpid(pid, NULL, 0);
-    percentiles(lat, iters, "ring_floor");
-    return 0;
+    munmap(r, sizeof(*r));
+    struct round out = percentiles(lat, iters);
+    free(lat);
+    return out;
 }
 
 static chm_dev *open_dev(const char *node)
@@ -89,7 +111,7 @@ static chm_dev *open_dev(const char *node)
     return dev;
 }
 
-static int run_lat(const char *node, int iters)
+static int run_lat(const char *node, int iters, int rounds, int with_floor)
 {
     chm_dev *dev = open_dev(node);
     char buf[4096];
@@ -97,25 +119,34 @@ static int run_lat(const char *node, int iters)
     if (chm_write(dev, 0, buf, sizeof(buf)) < 0 || chm_read(dev, 0, buf, sizeof(buf)) < 0)
         return 1;
     uint64_t *lat = malloc(sizeof(uint64_t) * iters);
+    struct round floor_rounds[rounds], read_rounds[rounds];
     uint64_t modelled = 0;
-    for (int i = 0; i < iters + 100; i++) {
-        uint64_t t0 = now_ns();
-        ssize_t n = chm_read(dev, 0, buf, sizeof(buf));
-        uint64_t t = now_ns() - t0;
-        if (n != sizeof(buf)) {
-            fprintf(stderr, "chm_read: %s\n", chm_strerror((int)n));
-            return 1;
+    for (int round = 0; round < rounds; round++) {  /* the floor and the device take turns: same machine, same load */
+        if (with_floor)
+            floor_rounds[round] = run_floor(iters);
+        for (int i = 0; i < iters + 100; i++) {
+            uint64_t t0 = now_ns();
+            ssize_t n = chm_read(dev, 0, buf, sizeof(buf));
+            uint64_t t = now_ns() - t0;
+            if (n != sizeof(buf)) {
+                fprintf(stderr, "chm_read: %s\n", chm_strerror((int)n));
+                return 1;
+            }
+            if (i >= 100)
+                lat[i - 100] = t;
+            modelled = chm_last_latency_ns(dev);
         }
-        if (i >= 100)
-            lat[i - 100] = t;
-        modelled = chm_last_latency_ns(dev);
+        read_rounds[round] = percentiles(lat, iters);
     }
     struct chm_stats st;
     chm_get_stats(dev, &st);
     chm_close(dev);
     printf("{\"what\": \"modelled\", \"latency_ns\": %llu, \"page_misses\": %llu}\n", (unsigned long long)modelled,
            (unsigned long long)st.page_misses);
-    percentiles(lat, iters, "libchm_read_4k");
+    if (with_floor)
+        print_rounds(floor_rounds, rounds, iters, "ring_floor");
+    print_rounds(read_rounds, rounds, iters, "libchm_read_4k");
+    free(lat);
     return 0;
 }
 
@@ -171,12 +202,11 @@ static int run_tput(const char *node, size_t size, int iters)
 
 int main(int argc, char **argv)
 {
-    if (argc == 3 && !strcmp(argv[1], "floor"))
-        return run_floor(atoi(argv[2]));
-    if (argc == 4 && !strcmp(argv[1], "lat"))
-        return run_lat(argv[2], atoi(argv[3]));
+    if ((argc == 4 || argc == 5) && !strcmp(argv[1], "lat") && atoi(argv[3]) >= 100 &&
+        (argc == 4 || atoi(argv[4]) >= 1))
+        return run_lat(argv[2], atoi(argv[3]), argc == 5 ? atoi(argv[4]) : 1, argc == 5);
     if (argc == 5 && !strcmp(argv[1], "tput"))
         return run_tput(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]));
-    fprintf(stderr, "usage: %s floor ITERS | lat NODE ITERS | tput NODE SIZE ITERS\n", argv[0]);
+    fprintf(stderr, "usage: %s lat NODE ITERS [ROUNDS] | tput NODE SIZE ITERS\n", argv[0]);
     return 2;
 }

@@ -8,7 +8,7 @@ decides what lives in DRAM; the timing model says how long it took.
 Frame states (per DRAM frame):
 * ``ready_at[f]`` -- virtual time the frame's data is in DRAM (later than now:
   the page is still being staged; a second access then is a merged miss);
-* ``io_token[f]`` -- the real media read filling the frame, until settled;
+* ``io_token[f]`` -- the real media read filling the frame, until settled (``NO_TOKEN``: settled);
 * ``write_seq[f]`` -- bumped by every write, so a flush that completes after a
   newer write does not mark the frame clean;
 * a frame being flushed is pinned until its flush completes;
@@ -21,16 +21,25 @@ enters a media-error state: new writes are refused with ENOSPC and the
 background flusher retries after a wall-time backoff (``MEDIA_RETRY_FIRST_S``,
 doubling, at most ``MEDIA_RETRY_MAX_S``). A successful flush clears the state.
 Each episode and its recovery is logged once.
+
+Native hit path. A read whose every page is a DRAM hit (resident, ready, settled) is served by
+``chm_dev_read_hit`` (emulator/native/chm_core.c) when the policy looks pages up and counts hits in
+native frame tables: the same steps as ``read`` below, over the same state (``ready_at``,
+``io_token``, the timing pipes and the read latency histogram are native memory both sides use).
+``chm serve`` calls it straight from its C loop; its counts reach ``stats`` at the next read or
+``snapshot``.
 """
 
 from __future__ import annotations
 
 import errno
 import heapq
+import math
 import mmap
 import os
 import sys
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,7 +47,9 @@ from driver.wire import STATS_COUNTERS
 
 from .config import Config
 from .errors import ChmError, WriteBufferFull
-from .policies import make_policy
+from .native import ffi, lib
+from .policies import Area, Policy, make_policy
+from .policies.hymcache import HymCachePolicy
 from .prefetch import PrefetchEngine
 from .ssd import MediaIOError, SsdBackend, locate
 from .timing import TimingModel
@@ -48,6 +59,11 @@ MEDIA_RETRY_FIRST_S = 1.0  # wall time before the flusher retries after a media 
 MEDIA_RETRY_MAX_S = 30.0  # ... up to this
 DRAIN_TIMEOUT_S = 30.0  # default bound on close()'s drain while the media fail (chm serve --drain-timeout)
 UNCLEAN_SHUTDOWN_MESSAGE = "unclean shutdown: writes acknowledged but not flushed before it may be lost"
+NO_TOKEN = lib.CHM_NO_TOKEN  # io_token of a frame with no media read outstanding
+# The stats the native hit read counts: struct chm_read_counts's fields, in its order.
+NATIVE_READ_COUNTS = tuple(name for name, _ in ffi.typeof("struct chm_read_counts").fields)
+_ZERO_COUNTS = memoryview(array("Q", bytes(8 * len(NATIVE_READ_COUNTS))))
+_read_hit = lib.chm_dev_read_hit
 
 
 def _log_to_stderr(message: str) -> None:
@@ -56,6 +72,27 @@ def _log_to_stderr(message: str) -> None:
 
 def _utc(wall: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall))
+
+
+def native_lookup_areas(policy: Policy) -> list[Area] | None:
+    """The areas ``policy.lookup`` asks for a page, in its order, when its lookup and touch are the built-in
+    ones over native frame tables (then a DRAM-hit read can run in C); None when either runs in Python
+    (a plug-in's lookup, touch or eviction order)."""
+    cls = type(policy)
+    if cls.touch is not Policy.touch:
+        return None
+    if cls.lookup is Policy.lookup:
+        areas = [policy.read_area]
+    elif cls.lookup is HymCachePolicy.lookup:
+        areas = [policy.write_area, policy.read_area]  # the newest copy of a written page is in the write buffer
+    else:
+        return None
+    table = policy.read_area.table
+    for name in ("lookup", "touch"):  # CachePolicy binds the read area's table methods to the instance
+        own = vars(policy).get(name)
+        if own is not None and own != getattr(table, name):
+            return None
+    return None if any(area.table.plugin for area in areas) else areas
 
 
 class UnflushedData(ChmError):
@@ -120,8 +157,9 @@ class Controller:
         self.policy = make_policy(cfg)
         self.timing = TimingModel(cfg)
         frames = cfg.dram_frames
-        self.ready_at = [0.0] * frames
-        self.io_token: list[int | None] = [None] * frames
+        # Arrays, not lists: the native hit read reads them in place (so they never change size).
+        self.ready_at = array("d", bytes(8 * frames))
+        self.io_token = array("q", bytes(8 * frames))  # all NO_TOKEN
         self.write_seq = [0] * frames
         self.queued = bytearray(frames)  # frame is in the dirty queue
         self.dirty: deque[tuple[int, float]] = deque()  # (frame, write time), oldest first
@@ -161,6 +199,26 @@ class Controller:
         self.unclean_shutdown = self.backend.unclean_shutdown if self.backend else False
         if self.unclean_shutdown:
             self.log(f"{UNCLEAN_SHUTDOWN_MESSAGE} (media {str(self.backend.media_dir)!r})")
+        self._native_read_setup()
+
+    def _native_read_setup(self) -> None:
+        """The native DRAM-hit read's view of this controller (``native_read``, ``native_dev``)."""
+        dev = self.native_dev = ffi.new("struct chm_dev *")
+        timing, ctl = self.timing, self.cfg.controller
+        self._native_keep = [ffi.from_buffer("double[]", self.ready_at), ffi.from_buffer("int64_t[]", self.io_token)]
+        dev.page_size, dev.capacity = self.page, self.capacity
+        dev.cycles_per_command, dev.cycles_per_lookup = ctl.cycles_per_command, ctl.cycles_per_lookup
+        dev.ready_at, dev.io_token = self._native_keep
+        dev.dram = ffi.NULL if self.dram is None else ffi.cast("uint8_t *", self.dram.base_addr)
+        dev.controller, dev.dram_pipe, dev.link_to_host = timing.controller._c, timing.dram._c, timing.link_to_host._c
+        dev.read_latency = timing.latencies.histogram("read")._c
+        areas = native_lookup_areas(self.policy) or []
+        for i, area in enumerate(areas):
+            dev.areas[i].table, dev.areas[i].base = area.table._c, area.base
+        dev.n_areas = len(areas)
+        self.native_read = bool(areas)  # DRAM-hit reads run in C
+        self._native_counts = memoryview(ffi.buffer(ffi.addressof(dev, "counts"))).cast("Q")
+        self._native_finish = ffi.new("double *")
 
     # ---- helpers ---------------------------------------------------------------
     def _cycles(self, ready: float, cycles: int) -> float:
@@ -180,8 +238,8 @@ class Controller:
     def _settle(self, frame: int) -> None:
         """Make sure a frame's staging read has really landed (a failure is kept in ``read_error``)."""
         token = self.io_token[frame]
-        if token is not None:
-            self.io_token[frame] = None
+        if token != NO_TOKEN:
+            self.io_token[frame] = NO_TOKEN
             try:
                 self.backend.wait(token)
             except MediaIOError as exc:
@@ -242,7 +300,8 @@ class Controller:
         # The SSD-to-DRAM DMA is not charged to the DRAM pipe: DRAM outruns the SSDs, and a
         # reservation at the future arrival time would hold up host accesses issued before it.
         self.ready_at[frame] = max(self._ssd_of(page).read(now, self.page), ready)
-        self.io_token[frame] = self._media_io(SsdBackend.READ, frame, page)
+        token = self._media_io(SsdBackend.READ, frame, page)
+        self.io_token[frame] = NO_TOKEN if token is None else token
         self.stats["ssd_read_bytes"] += self.page
         return frame
 
@@ -502,6 +561,16 @@ class Controller:
         (``count_command``) when its last piece is done."""
         self.check_range(addr, length)
         self.tick(now)
+        if self.native_read and not self.read_error:  # a failed staging read must raise: the frame is looked at here
+            if out is None:
+                hit = _read_hit(self.native_dev, addr, length, now, ffi.NULL, whole, self._native_finish)
+            else:  # the export ends with the call (a cycle must not hold it)
+                with ffi.from_buffer("uint8_t[]", out, require_writable=True) as buf:
+                    hit = len(buf) >= length and _read_hit(self.native_dev, addr, length, now, buf, whole,
+                                                          self._native_finish)
+            if hit:
+                self.fold_native_counts()
+                return self._native_finish[0]
         pages = self._pages(addr, length)
         stats = self.stats
         stats["read_bytes"] += length
@@ -528,6 +597,29 @@ class Controller:
         if whole:
             self.count_command("read", finish - now)
         return finish
+
+    def fold_native_counts(self) -> None:
+        """Add what native hit reads counted to ``stats``."""
+        counts, stats = self._native_counts, self.stats
+        for name, n in zip(NATIVE_READ_COUNTS, counts.tolist()):
+            if n:
+                stats[name] += n
+        counts[:] = _ZERO_COUNTS
+
+    def quiet_until(self, now: float) -> float:
+        """A virtual time before which ``tick`` has nothing to do, from ``now`` on, as long as only DRAM-hit
+        reads run (they start no media I/O, dirty no page and land no flush): a command starting in
+        [now, quiet_until) may skip its tick, as ``chm serve``'s native hit path does. -inf: ``tick`` may
+        act at any time (staging reads that failed wait to be dropped, or the media fail)."""
+        if self.read_error or self.media_error is not None:
+            return -math.inf
+        until = self.flights[0][0] if self.flights else math.inf  # a flush lands: tick retires it
+        if self.dirty and not self._at_flight_limit():  # at the limit, nothing starts before a flush lands
+            timing = self.timing
+            grant = self.policy.next_flush_at(self.dirty, now, lambda n: timing.reads_idle_at(now, n))
+            if grant is not None and grant < until:
+                until = grant
+        return until
 
     def count_command(self, kind: str, latency_ns: float) -> None:
         """One host command (``read`` or ``write``) done: its count and its latency sample."""
@@ -569,7 +661,7 @@ class Controller:
             if ready <= t:
                 self.stats["hit_bytes"] += hi - lo
             if self.data:
-                if io_token[frame] is not None:
+                if io_token[frame] != NO_TOKEN:
                     self._settle(frame)
                 if read_error and frame in read_error:
                     self._check_read(frame)
@@ -758,6 +850,7 @@ class Controller:
 
     # ---- lifecycle -------------------------------------------------------------------
     def snapshot(self) -> dict:
+        self.fold_native_counts()
         s = dict(self.stats)
         s["dirty_pages"] = len(self.dirty)
         s["flushes_in_flight"] = len(self.flights)
@@ -805,6 +898,7 @@ class Controller:
                 self.backend.close(clean=left is None)
         finally:
             if self.dram is not None:
+                self.native_dev.dram = ffi.NULL  # no read may reach the region once it is unmapped
                 self.dram.close()
                 self.dram = None
         if left is not None:

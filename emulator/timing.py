@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Callable, Sequence
 
 from .config import Config
+from .native import ffi, lib
+
+_pipe_transfer, _clocked_run, _histogram_add = lib.chm_pipe_transfer, lib.chm_clocked_run, lib.chm_histogram_add
 
 
 def earliest_time(guess: float, due: Callable[[float], bool]) -> float:
@@ -31,54 +33,69 @@ def earliest_time(guess: float, due: Callable[[float], bool]) -> float:
     return guess
 
 
-@dataclass
+def _struct_field(name: str) -> property:
+    """An attribute kept in the object's native struct (``self._c``), where the native core reads it too."""
+    return property(lambda self: getattr(self._c, name), lambda self, value: setattr(self._c, name, value))
+
+
 class Pipe:
     """A serial server with a fixed per-request latency and a bandwidth.
 
     The latency is pipelined (it does not occupy the pipe); the transfer
-    occupies it for bytes / bandwidth.
+    occupies it for bytes / bandwidth. A request's arrival:
+    ``free_at = max(ready, free_at) + nbytes / bandwidth * slowdown``, then
+    ``free_at + latency_ns * slowdown``.
+
+    The state is a native ``struct chm_pipe`` (emulator/native/chm_core.h), which computes each step as
+    written here (the DRAM-hit read in C runs the same pipes).
     """
 
-    name: str
-    latency_ns: float
-    bandwidth_gbps: float
-    free_at: float = 0.0
-    busy_ns: float = 0.0
-    bytes: int = 0
+    __slots__ = ("name", "_c")
+    latency_ns = _struct_field("latency_ns")
+    bandwidth_gbps = _struct_field("bandwidth_gbps")
+    free_at = _struct_field("free_at")
+    busy_ns = _struct_field("busy_ns")
+    bytes = _struct_field("bytes")
+
+    def __init__(self, name: str, latency_ns: float, bandwidth_gbps: float, free_at: float = 0.0,
+                 busy_ns: float = 0.0, bytes: int = 0):
+        self.name = name
+        self._c = ffi.new("struct chm_pipe *", {"latency_ns": latency_ns, "bandwidth_gbps": bandwidth_gbps,
+                                                "free_at": free_at, "busy_ns": busy_ns, "bytes": bytes})
+
+    def __repr__(self) -> str:
+        return (f"Pipe({self.name!r}, latency_ns={self.latency_ns!r}, bandwidth_gbps={self.bandwidth_gbps!r}, "
+                f"free_at={self.free_at!r}, busy_ns={self.busy_ns!r}, bytes={self.bytes!r})")
 
     def transfer(self, ready: float, nbytes: int, slowdown: float = 1.0) -> float:
         """Reserve the pipe for ``nbytes`` no earlier than ``ready``; return the arrival time."""
-        return self.stream((ready,), (nbytes,), slowdown)[0]
+        return _pipe_transfer(self._c, ready, nbytes, slowdown)
 
     def stream(self, ready: Sequence[float], sizes: Sequence[int], slowdown: float = 1.0) -> list[float]:
         """``transfer`` of each piece in turn (piece i no earlier than ready[i]); the arrival of each."""
-        free, busy, bandwidth, latency = self.free_at, self.busy_ns, self.bandwidth_gbps, self.latency_ns * slowdown
-        arrivals = []
-        for r, n in zip(ready, sizes):
-            occupancy = n / bandwidth * slowdown
-            free = (r if r > free else free) + occupancy
-            busy += occupancy
-            arrivals.append(free + latency)
-        self.free_at, self.busy_ns = free, busy
-        self.bytes += sum(sizes)
-        return arrivals
+        c = self._c
+        return [_pipe_transfer(c, r, n, slowdown) for r, n in zip(ready, sizes)]
 
 
-@dataclass
 class Clocked:
-    """The controller pipeline: work is counted in cycles of its clock."""
+    """The controller pipeline: work is counted in cycles of its clock; ``run`` occupies it for
+    ``cycles * 1000.0 / clock_mhz`` from ``max(ready, free_at)`` (a native ``struct chm_clocked``)."""
 
-    name: str
-    clock_mhz: float
-    free_at: float = 0.0
-    busy_ns: float = 0.0
+    __slots__ = ("name", "_c")
+    clock_mhz = _struct_field("clock_mhz")
+    free_at = _struct_field("free_at")
+    busy_ns = _struct_field("busy_ns")
+
+    def __init__(self, name: str, clock_mhz: float, free_at: float = 0.0, busy_ns: float = 0.0):
+        self.name = name
+        self._c = ffi.new("struct chm_clocked *", {"clock_mhz": clock_mhz, "free_at": free_at, "busy_ns": busy_ns})
+
+    def __repr__(self) -> str:
+        return (f"Clocked({self.name!r}, clock_mhz={self.clock_mhz!r}, free_at={self.free_at!r}, "
+                f"busy_ns={self.busy_ns!r})")
 
     def run(self, ready: float, cycles: int) -> float:
-        occupancy = cycles * 1000.0 / self.clock_mhz
-        start = max(ready, self.free_at)
-        self.free_at = start + occupancy
-        self.busy_ns += occupancy
-        return self.free_at
+        return _clocked_run(self._c, ready, cycles)
 
 
 class SsdModel:
@@ -143,28 +160,29 @@ class LatencyHistogram:
     that rank (clamped to the exact min and max): its error is at most
     ``RELATIVE_ERROR`` (1/64, about 1.6 %) of the true order statistic, or
     0.5 ns below 32 ns. Count, mean and max are exact.
+
+    The buckets and totals are a native ``struct chm_histogram`` (the DRAM-hit read in C adds to the
+    same one); ``chm_histogram_bucket`` is the bucket function.
     """
 
-    SUB_BITS = 5
-    SUB_BUCKETS = 1 << SUB_BITS  # 32 linear sub-buckets per power of two
+    SUB_BITS = lib.CHM_HIST_SUB_BITS
+    SUB_BUCKETS = lib.CHM_HIST_SUB_BUCKETS  # 32 linear sub-buckets per power of two
     RELATIVE_ERROR = 1 / (2 * SUB_BUCKETS)
-    BUCKETS = (64 - SUB_BITS + 1) * SUB_BUCKETS  # covers every latency below 2^64 ns (584 years)
-    __slots__ = ("counts", "count", "total_ns", "min_ns", "max_ns")
+    BUCKETS = lib.CHM_HIST_BUCKETS  # covers every latency below 2^64 ns (584 years)
+    __slots__ = ("_c", "counts")
+    count = _struct_field("count")
+    total_ns = _struct_field("total_ns")
+    min_ns = _struct_field("min_ns")
+    max_ns = _struct_field("max_ns")
 
     def __init__(self):
-        self.counts = array("Q", bytes(8 * self.BUCKETS))
-        self.count = 0
-        self.total_ns = 0.0
-        self.min_ns = float("inf")
-        self.max_ns = float("-inf")
+        self._c = ffi.new("struct chm_histogram *")
+        lib.chm_histogram_init(self._c)
+        self.counts = memoryview(ffi.buffer(self._c.counts)).cast("Q")
 
     @classmethod
     def bucket_of(cls, latency_ns: float) -> int:
-        v = min(int(latency_ns), (1 << 64) - 1) if latency_ns > 0 else 0
-        if v < cls.SUB_BUCKETS:
-            return v
-        shift = v.bit_length() - cls.SUB_BITS - 1
-        return (shift << cls.SUB_BITS) + (v >> shift)
+        return lib.chm_histogram_bucket(min(int(latency_ns), (1 << 64) - 1) if latency_ns > 0 else 0)
 
     @classmethod
     def bucket_bounds(cls, index: int) -> tuple[int, int]:
@@ -176,13 +194,7 @@ class LatencyHistogram:
         return low, low + (1 << shift)
 
     def add(self, latency_ns: float) -> None:
-        self.counts[self.bucket_of(latency_ns)] += 1
-        self.count += 1
-        self.total_ns += latency_ns
-        if latency_ns < self.min_ns:
-            self.min_ns = latency_ns
-        if latency_ns > self.max_ns:
-            self.max_ns = latency_ns
+        _histogram_add(self._c, latency_ns)
 
     def percentiles(self, *ps: float) -> list[float]:
         """The values at ranks ``min(n - 1, int(p / 100 * n))`` (0-based, in sorted order), within the bucket error."""
@@ -210,10 +222,17 @@ class LatencyLog:
         h = self.histograms.get(kind)
         if h is None:
             h = self.histograms[kind] = LatencyHistogram()
-        h.add(latency_ns)
+        _histogram_add(h._c, latency_ns)
+
+    def histogram(self, kind: str) -> LatencyHistogram:
+        """The kind's histogram, made empty if it has none yet (summaries leave empty ones out)."""
+        h = self.histograms.get(kind)
+        if h is None:
+            h = self.histograms[kind] = LatencyHistogram()
+        return h
 
     def summary(self) -> dict[str, dict[str, float]]:
-        return {kind: h.summary() for kind, h in self.histograms.items()}
+        return {kind: h.summary() for kind, h in self.histograms.items() if h.count}
 
 
 class TimingModel:

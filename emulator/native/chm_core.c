@@ -3,7 +3,9 @@
  * emulator/policies/{lru,fifo,clock,sieve,s3fifo}.py (libCacheSim's
  * algorithms, with the device's pinned frames); the property tests in
  * tests/emulator/test_native_core.py check them against the former Python
- * implementations, kept there as models.
+ * implementations, kept there as models. The timing resources and the
+ * DRAM-hit read compute as emulator/timing.py and Controller.read do
+ * (tests/emulator/test_native_hits.py runs workloads both ways).
  */
 #include "chm_core.h"
 
@@ -1266,4 +1268,151 @@ int chm_admission_release(struct chm_admission *a, uint64_t pages)
         return CHM_E_ARG;
     a->used_pages -= pages;
     return CHM_OK;
+}
+
+/* ---- timing resources (emulator/timing.py specifies them, operation for operation) ---- */
+
+_Static_assert(CHM_HIST_SUB_BUCKETS == 1 << CHM_HIST_SUB_BITS, "sub-buckets per power of two");
+_Static_assert(CHM_HIST_BUCKETS == (64 - CHM_HIST_SUB_BITS + 1) * CHM_HIST_SUB_BUCKETS, "buckets for every uint64");
+
+/* One piece through a pipe; `latency` is latency_ns * slowdown, as the specification computes it once. */
+static double pipe_piece(struct chm_pipe *p, double ready, uint64_t nbytes, double slowdown, double latency)
+{
+    double occupancy = (double)nbytes / p->bandwidth_gbps * slowdown;
+    p->free_at = (ready > p->free_at ? ready : p->free_at) + occupancy;
+    p->busy_ns += occupancy;
+    p->bytes += nbytes;
+    return p->free_at + latency;
+}
+
+double chm_pipe_transfer(struct chm_pipe *p, double ready, uint64_t nbytes, double slowdown)
+{
+    return pipe_piece(p, ready, nbytes, slowdown, p->latency_ns * slowdown);
+}
+
+/* When `cycles` started no earlier than ready would end, and their occupancy; changes nothing. */
+static double clocked_plan(const struct chm_clocked *c, double ready, uint64_t cycles, double *occupancy)
+{
+    *occupancy = (double)cycles * 1000.0 / c->clock_mhz;
+    return (c->free_at > ready ? c->free_at : ready) + *occupancy;   /* Python's max(ready, free_at) */
+}
+
+static void clocked_commit(struct chm_clocked *c, double end, double occupancy)
+{
+    c->free_at = end;
+    c->busy_ns += occupancy;
+}
+
+double chm_clocked_run(struct chm_clocked *c, double ready, uint64_t cycles)
+{
+    double occupancy, end = clocked_plan(c, ready, cycles, &occupancy);
+    clocked_commit(c, end, occupancy);
+    return end;
+}
+
+void chm_histogram_init(struct chm_histogram *h)
+{
+    memset(h, 0, sizeof(*h));
+    h->min_ns = 1.0 / 0.0;
+    h->max_ns = -1.0 / 0.0;
+}
+
+uint32_t chm_histogram_bucket(uint64_t ns)
+{
+    if (ns < CHM_HIST_SUB_BUCKETS)
+        return (uint32_t)ns;
+    unsigned shift = (unsigned)(64 - __builtin_clzll(ns)) - CHM_HIST_SUB_BITS - 1;  /* bit_length - 6 */
+    return (shift << CHM_HIST_SUB_BITS) + (uint32_t)(ns >> shift);
+}
+
+void chm_histogram_add(struct chm_histogram *h, double latency_ns)
+{
+    uint64_t ns = !(latency_ns > 0) ? 0 : latency_ns >= 18446744073709551616.0 ? UINT64_MAX : (uint64_t)latency_ns;
+    h->counts[chm_histogram_bucket(ns)]++;
+    h->count++;
+    h->total_ns += latency_ns;
+    if (latency_ns < h->min_ns)
+        h->min_ns = latency_ns;
+    if (latency_ns > h->max_ns)
+        h->max_ns = latency_ns;
+}
+
+/* ---- the DRAM-hit read ---- */
+
+/* The page's frame (local to *area), or -1. */
+static int64_t dev_lookup(const struct chm_dev *d, uint64_t page, const struct chm_dev_area **area)
+{
+    for (uint32_t i = 0; i < d->n_areas; i++) {
+        int64_t f = chm_ft_lookup(d->areas[i].table, page);
+        if (f >= 0) {
+            *area = &d->areas[i];
+            return f;
+        }
+    }
+    return -1;
+}
+
+int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double now, uint8_t *out,
+                         int count_command, double *finish)
+{
+    const uint64_t page_size = d->page_size;
+    if (!d->n_areas || len == 0 || addr > d->capacity || len > d->capacity - addr)
+        return 0;
+    const uint64_t first = addr / page_size, last = (addr + len - 1) / page_size, pages = last - first + 1;
+    double occupancy, t = clocked_plan(d->controller, now, d->cycles_per_command + pages * d->cycles_per_lookup,
+                                       &occupancy);
+    /* Every page a hit? (A frame not ready by t is a merged miss; an unsettled one needs its media read.) */
+    for (uint64_t page = first; page <= last; page++) {
+        const struct chm_dev_area *area;
+        int64_t f = dev_lookup(d, page, &area);
+        if (f < 0)
+            return 0;
+        uint64_t frame = area->base + (uint64_t)f;
+        if (d->ready_at[frame] > t || d->io_token[frame] != CHM_NO_TOKEN)
+            return 0;
+    }
+    /* Controller.read from here. Python touches every page, then copies and times each: the policy's
+     * state and the pipes' are apart, so doing both per page ends in the same state. */
+    d->counts.read_bytes += len;
+    clocked_commit(d->controller, t, occupancy);
+    struct chm_pipe *dram = d->dram_pipe, *link = d->link_to_host;
+    const double dram_latency = dram->latency_ns * 1.0, link_latency = link->latency_ns * 1.0;
+    const int copy = d->dram && out;
+    const uint64_t end = addr + len;
+    uint64_t run_src = 0, run_dst = 0, run_len = 0;  /* the pending memcpy: frames that follow each other in DRAM */
+    int64_t run_last = -2;                           /* the frame that ends it, if a whole page */
+    double arrival = t;
+    for (uint64_t page = first; page <= last; page++) {
+        const struct chm_dev_area *area = d->areas;   /* the page is resident: dev_lookup sets it */
+        int64_t f = dev_lookup(d, page, &area);
+        int64_t frame = (int64_t)area->base + f;
+        d->counts.page_hits++;
+        chm_ft_touch(area->table, (uint32_t)f);
+        uint64_t base = page * page_size;
+        uint64_t lo = page == first ? addr - base : 0;
+        uint64_t hi = end < base + page_size ? end - base : page_size;
+        d->counts.hit_bytes += hi - lo;
+        if (copy) {
+            if (frame == run_last + 1 && lo == 0) {
+                run_len += hi;
+            } else {
+                if (run_len)
+                    memcpy(out + run_dst, d->dram + run_src, run_len);
+                run_src = (uint64_t)frame * page_size + lo;
+                run_dst = base + lo - addr;
+                run_len = hi - lo;
+            }
+            run_last = hi == page_size ? frame : -2;
+        }
+        /* every page is ready by t: each piece enters the DRAM pipe at t, then the link */
+        arrival = pipe_piece(link, pipe_piece(dram, t, hi - lo, 1.0, dram_latency), hi - lo, 1.0, link_latency);
+    }
+    if (run_len)
+        memcpy(out + run_dst, d->dram + run_src, run_len);
+    *finish = arrival;
+    if (count_command) {
+        d->counts.reads++;
+        chm_histogram_add(d->read_latency, *finish - now);
+    }
+    return (int64_t)pages;
 }

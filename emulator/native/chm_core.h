@@ -1,12 +1,14 @@
 /* The device model's native core: the DRAM frame table with the built-in
  * eviction structures, the prefetch engine's window and handle accounting,
- * and write admission.
+ * write admission, the timing model's pipes and latency histogram, and the
+ * DRAM-hit read (chm serve's native hit path).
  *
  * One implementation: the emulator (live serving, replay) and the RTL
  * lockstep benches reach it through cffi (emulator/native_build.py cuts the
  * text between the cdef markers out of this header, so every constant and
  * struct below is defined once, here). The decisions are specified in
- * emulator/frame_table.py, emulator/prefetch.py and emulator/write_buffer.py.
+ * emulator/frame_table.py, emulator/prefetch.py, emulator/write_buffer.py,
+ * emulator/timing.py and emulator/controller.py (Controller.read).
  */
 #ifndef CHM_CORE_H
 #define CHM_CORE_H
@@ -162,6 +164,95 @@ struct chm_admission {
 
 int chm_admission_admit(struct chm_admission *a, uint64_t pages);    /* 1: reserved; 0: refused */
 int chm_admission_release(struct chm_admission *a, uint64_t pages);  /* CHM_OK, or CHM_E_ARG: more than reserved */
+
+/* ---- The timing model's resources (specified by emulator/timing.py, which wraps these structs) ----
+ * Each computes with the same double operations, in the same order, as its specification: replays stay
+ * bit-identical whichever side runs a step. */
+
+/* A serial server with a pipelined per-request latency and a bandwidth (timing.Pipe). */
+struct chm_pipe {
+    double latency_ns;              /* pipelined: it does not occupy the pipe */
+    double bandwidth_gbps;          /* bytes per ns */
+    double free_at;                 /* virtual time the last reservation ends */
+    double busy_ns;
+    uint64_t bytes;
+};
+
+/* The controller pipeline, counted in cycles of its clock (timing.Clocked). */
+struct chm_clocked {
+    double clock_mhz;
+    double free_at;
+    double busy_ns;
+};
+
+/* Reserve the pipe for nbytes no earlier than ready; the arrival time. */
+double chm_pipe_transfer(struct chm_pipe *p, double ready, uint64_t nbytes, double slowdown);
+/* Run `cycles` cycles no earlier than ready; when they end. */
+double chm_clocked_run(struct chm_clocked *c, double ready, uint64_t cycles);
+
+/* Latencies of one operation kind in log-linear buckets (timing.LatencyHistogram): below
+ * CHM_HIST_SUB_BUCKETS ns one bucket per ns, above it CHM_HIST_SUB_BUCKETS buckets per power of two. */
+#define CHM_HIST_SUB_BITS 5
+#define CHM_HIST_SUB_BUCKETS 32         /* 1 << CHM_HIST_SUB_BITS */
+#define CHM_HIST_BUCKETS 1920           /* (64 - CHM_HIST_SUB_BITS + 1) * CHM_HIST_SUB_BUCKETS: every uint64 */
+
+struct chm_histogram {
+    uint64_t count;
+    double total_ns;
+    double min_ns;                  /* +inf while empty */
+    double max_ns;                  /* -inf while empty */
+    uint64_t counts[CHM_HIST_BUCKETS];
+};
+
+void chm_histogram_init(struct chm_histogram *h);
+uint32_t chm_histogram_bucket(uint64_t ns);     /* the bucket of a latency truncated to whole ns */
+void chm_histogram_add(struct chm_histogram *h, double latency_ns);
+
+/* ---- The DRAM-hit read (emulator/controller.py, Controller.read, when every page is a hit) ----
+ * The state it needs is the controller's own (per-frame arrays, pipes, histogram), shared, not copied:
+ * the controller's Python paths and this one see one truth. */
+#define CHM_NO_TOKEN 0                  /* io_token of a frame whose staging read has settled */
+#define CHM_DEV_MAX_AREAS 2
+
+/* A frame table a read looks pages up in, and where its frames start among the device's. */
+struct chm_dev_area {
+    struct chm_ft *table;
+    uint32_t base;
+};
+
+/* What hit reads served here counted (the controller adds them to its stats and zeroes them). */
+struct chm_read_counts {
+    uint64_t reads;
+    uint64_t read_bytes;
+    uint64_t page_hits;
+    uint64_t hit_bytes;
+};
+
+struct chm_dev {
+    uint64_t page_size;
+    uint64_t capacity;
+    uint64_t cycles_per_command;
+    uint64_t cycles_per_lookup;
+    uint32_t n_areas;               /* 0: the policy looks pages up in Python; no read is served here */
+    struct chm_dev_area areas[CHM_DEV_MAX_AREAS];  /* a page's frame is its first area's that holds it */
+    const double *ready_at;         /* per frame: when its data is in DRAM */
+    const int64_t *io_token;        /* per frame: the media read filling it, or CHM_NO_TOKEN */
+    const uint8_t *dram;            /* the DRAM region; NULL: data emulation is off */
+    struct chm_clocked *controller;
+    struct chm_pipe *dram_pipe;
+    struct chm_pipe *link_to_host;
+    struct chm_histogram *read_latency;
+    struct chm_read_counts counts;
+};
+
+/* Serve a read of [addr, addr + len) at virtual time `now` if every page is resident, ready by the time
+ * its lookups end, and settled, exactly as Controller.read does after its tick: count it, touch the
+ * pages, run the controller, the DRAM and the link, copy the bytes into `out` (when the DRAM region is
+ * there). count_command: also count the command (reads, read latency), as Controller.count_command.
+ * Returns the pages read, with *finish the time the last byte reaches the host; 0 when a page is not a
+ * hit, the range is not one the device holds or no area is native: then nothing changed. */
+int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double now, uint8_t *out,
+                         int count_command, double *finish);
 
 /* ---- cdef end ---- */
 

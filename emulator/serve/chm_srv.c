@@ -50,12 +50,16 @@ void chm_srv_qp_init(struct chm_srv_qp *s, void *base, uint32_t client_id, uint3
     h->total_bytes = total;
     chm_store_release(&h->magic, CHM_QP_MAGIC);
 
+    struct chm_sqe *batch = s->batch;   /* the caller's */
     memset(s, 0, sizeof(*s));
     s->hdr = h;
     s->sq = (struct chm_sqe *)((char *)base + sq_off);
     s->cq = (struct chm_cqe *)((char *)base + cq_off);
     s->sq_entries = sq_entries;
     s->cq_entries = cq_entries;
+    s->staging = (uint8_t *)base + staging_off;
+    s->staging_bytes = staging_bytes;
+    s->batch = batch;
 }
 
 static uint32_t cq_room(const struct chm_srv_qp *s)
@@ -104,14 +108,18 @@ void chm_srv_post(struct chm_srv_qp *s, uint64_t user_data, int64_t res, uint64_
         chm_futex_wake(&s->hdr->cq.tail);
 }
 
+static int has_command(const struct chm_srv_qp *s)
+{
+    return chm_load_acquire(&s->hdr->sq.tail) != s->sq_head && cq_room(s);
+}
+
 int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns)
 {
     uint64_t deadline = spin_ns ? chm_now_ns() + spin_ns : 0;
     unsigned steps = 0;
     for (;;) {
         for (unsigned i = 0; i < n; i++) {
-            struct chm_srv_qp *s = qps[i];
-            if (chm_load_acquire(&s->hdr->sq.tail) != s->sq_head && cq_room(s))
+            if (has_command(qps[i]))
                 return (int)i;
         }
         if (!spin_ns || chm_now_ns() >= deadline)
@@ -123,4 +131,113 @@ int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns)
 void chm_srv_set_sleeping(struct chm_node *node, uint32_t sleeping)
 {
     chm_store_fence(&node->server_sleeping, sleeping);
+}
+
+/* Serve e here if it is a DRAM-hit read that needs nothing of Python; 1 if it was (completion posted). */
+static int serve_hit(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct chm_sqe *e)
+{
+    if (e->opcode != CHM_OP_READ || e->flags || e->rsvd0 || e->rsvd1 || e->rsvd2)
+        return 0;
+    if (e->len == 0 || e->len > l->chunk_bytes || e->len > q->staging_bytes ||
+        e->buf_offset > q->staging_bytes - e->len)
+        return 0;
+    double start = l->floor > q->clock ? l->floor : q->clock;   /* server.py: max(c.clock, now) */
+    double finish;
+    if (!(start < l->quiet_until) ||
+        l->read_hit(l->dev, e->addr, e->len, start, q->staging + e->buf_offset, 1, &finish) <= 0)
+        return 0;
+    q->commands++;
+    /* server.py's _complete */
+    q->clock = finish;
+    if (finish > l->floor)
+        l->floor = finish;
+    int64_t latency = (int64_t)(finish - start);
+    chm_srv_post(q, e->user_data, (int64_t)e->len, latency > 0 ? (uint64_t)latency : 0, (uint64_t)finish);
+    l->hits++;
+    return 1;
+}
+
+static void end_turn(struct chm_srv_loop *l)
+{
+    l->turn++;
+    l->in_turn = 0;
+}
+
+/* A yield that took longer than this ran another task on our core: most likely the client we wait for. */
+#define SHARED_CORE_NS 2000
+
+/* Wait up to spin_ns for a client to have a command; 0 if none came. Unlike chm_srv_pending it looks
+ * after every pause, not every few (a hit's whole service is a few hundred ns: the pick-up must not add
+ * as much). It yields as often as chm_spin_step does, for a peer sharing the core; once a yield shows
+ * that one does (it ran meanwhile), at every look, so the client sharing it gets it back at once. */
+static int wait_for_command(struct chm_srv_loop *l, uint64_t spin_ns)
+{
+    uint64_t deadline = 0;
+    for (unsigned looks = 0;; looks++) {
+        for (uint32_t i = 0; i < l->n; i++) {
+            if (has_command(l->qps[i]))
+                return 1;
+        }
+        if (looks % 16 == 0) {
+            uint64_t now = chm_now_ns();
+            if (!deadline)
+                deadline = now + spin_ns;
+            if (now >= deadline)
+                return 0;
+        }
+        if (l->core_shared || looks % 128 == 127) {
+            uint64_t before = chm_now_ns();
+            sched_yield();
+            l->core_shared = chm_now_ns() - before > SHARED_CORE_NS;
+        } else {
+            chm_cpu_relax();
+        }
+    }
+}
+
+int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns)
+{
+    const uint64_t deadline = chm_now_ns() + max_ns;
+    for (;;) {
+        if (l->turn >= l->n) {      /* a pass is over */
+            l->turn = 0;
+            if (!l->ran && (!l->n || !wait_for_command(l, spin_ns)))
+                return CHM_SRV_IDLE;
+            l->ran = 0;
+            if (chm_now_ns() >= deadline)
+                return CHM_SRV_YIELD;
+        }
+        struct chm_srv_qp *q = l->qps[l->turn];
+        if (!l->in_turn) {
+            l->in_turn = 1;
+            l->budget = (int64_t)l->chunk_bytes;
+            if (q->has_job) {       /* its next piece is its turn */
+                l->ran = 1;
+                return (int)l->turn;
+            }
+            if (q->batch_next == q->batch_len) {    /* fetch only when nothing fetched is left: CQ room was counted */
+                int n = chm_srv_fetch(q, q->batch, CHM_SRV_BATCH);
+                if (n < 0) {        /* corrupted tail: the helper resynced and posted -EPROTO */
+                    q->errors++;
+                    l->ran = 1;
+                    end_turn(l);
+                    continue;
+                }
+                q->batch_next = 0;
+                q->batch_len = (uint32_t)n;
+            }
+        } else if (q->has_job) {    /* Python started one: it goes on in the next turns */
+            end_turn(l);
+            continue;
+        }
+        while (q->batch_next < q->batch_len && l->budget > 0) {
+            const struct chm_sqe *e = &q->batch[q->batch_next];
+            l->ran = 1;
+            if (!serve_hit(l, q, e))
+                return (int)l->turn;
+            q->batch_next++;
+            l->budget -= (int64_t)e->len;
+        }
+        end_turn(l);
+    }
 }

@@ -1,7 +1,8 @@
 /*
- * chm_srv.h -- the device side of the rings (used by emulator/serve/server.py via
- * cffi). The server keeps its own indices and sizes here, never reading them
- * back from memory a client can write.
+ * chm_srv.h -- the device side of the rings and the C serving loop that answers
+ * DRAM-hit reads without Python (used by emulator/serve/server.py via cffi). The
+ * server keeps its own indices and sizes here, never reading them back from
+ * memory a client can write.
  */
 #ifndef CHM_SRV_H
 #define CHM_SRV_H
@@ -9,6 +10,8 @@
 #include "chm_wire.h"
 
 /* ---- cdef begin ---- */
+#define CHM_SRV_BATCH 32            /* commands fetched from a ring at once */
+
 struct chm_srv_qp {
     struct chm_qp_hdr *hdr;
     struct chm_sqe *sq;
@@ -18,7 +21,42 @@ struct chm_srv_qp {
     uint32_t sq_head;               /* next command to take (server-owned) */
     uint32_t cq_tail;               /* next completion slot (server-owned) */
     uint32_t held;                  /* completions reserved but not yet posted (pacing) */
+    /* The rest of what the server keeps per client (server.py's Client), where the C loop reads it. */
+    uint8_t *staging;               /* the client's staging buffer (in its queue pair mapping) */
+    uint64_t staging_bytes;
+    struct chm_sqe *batch;          /* CHM_SRV_BATCH commands: fetched, not yet run from batch_next on */
+    uint32_t batch_next;
+    uint32_t batch_len;
+    uint32_t has_job;               /* a large command of it is served in pieces (server.py's Job) */
+    double clock;                   /* its virtual clock: when its last command finished */
+    uint64_t commands;
+    uint64_t errors;
 };
+
+/* The device's DRAM-hit read, chm_core.h's chm_dev_read_hit: the server hands the C loop a pointer to it
+ * from the core's module (this module does not link the core). */
+typedef int64_t (*chm_read_hit_fn)(void *dev, uint64_t addr, uint64_t len, double now, uint8_t *out,
+                                   int count_command, double *finish);
+
+/* The C serving loop (chm_srv_serve): one turn per client per pass, as server.py's _run_ready gives. */
+struct chm_srv_loop {
+    struct chm_srv_qp **qps;        /* the clients, in turn order */
+    uint32_t n;
+    uint32_t turn;                  /* the client whose turn it is */
+    uint32_t in_turn;               /* that turn has begun (its job stepped or its batch fetched) */
+    uint32_t ran;                   /* something ran in this pass */
+    int64_t budget;                 /* bulk bytes the turn may still move */
+    uint64_t chunk_bytes;           /* longer commands go in pieces, through Python */
+    double floor;                   /* device virtual time: the latest finish, plus idle time */
+    double quiet_until;             /* a command starting before this has no background work to do first */
+    chm_read_hit_fn read_hit;
+    void *dev;
+    uint64_t hits;                  /* commands served in C */
+    uint32_t core_shared;           /* the last yield while waiting ran another task on this core */
+};
+
+#define CHM_SRV_IDLE -1             /* no client has a command, after spinning */
+#define CHM_SRV_YIELD -2            /* it served for its time: the control path's turn */
 
 /* Lay out a fresh queue pair in the mapping at base; returns its total size. */
 uint64_t chm_srv_qp_layout(uint32_t sq_entries, uint32_t cq_entries, uint64_t staging_bytes,
@@ -38,6 +76,15 @@ void chm_srv_post(struct chm_srv_qp *s, uint64_t user_data, int64_t res, uint64_
 /* Index of a queue pair with a command and completion room, spinning up to
  * spin_ns for one to appear; -1 if none. */
 int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns);
+
+/* Serve DRAM-hit reads in C, turn by turn, until a client's turn needs Python: returns that client's
+ * index, with its job's next piece to serve (has_job; Python then ends the turn: in_turn = 0, turn + 1) or
+ * its command batch[batch_next] to run (Python takes it, charging a bulk command's len to budget). Else
+ * CHM_SRV_IDLE once a pass ran nothing and nothing came within spin_ns, or CHM_SRV_YIELD after max_ns.
+ * A command is served here only if it is a whole read (no reserved field set, at most chunk_bytes, in
+ * the client's buffer) starting before quiet_until that read_hit serves; everything else, errors
+ * included, is Python's. */
+int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns);
 
 /* Set the node's sleep flag with a full fence (see chm_wire.h, wake-ups). */
 void chm_srv_set_sleeping(struct chm_node *node, uint32_t sleeping);

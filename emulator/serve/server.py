@@ -5,6 +5,17 @@ ring, runs them on the controller and posts completions; when no ring has
 work it spins briefly (in C, GIL released), then sleeps in ``poll()`` on the
 doorbell eventfd, the control socket and the client connections.
 
+Native hit path. Where the controller serves DRAM-hit reads in C (a built-in
+policy, see ``Controller.native_read``) and there is no pacing, the turns
+below are taken by a C loop (``chm_srv_serve`` in chm_srv.c): it serves each
+read whose pages all hit DRAM -- ring, checks, the controller's hit read,
+memcpy into the staging buffer, completion -- and hands Python every other
+command (misses, writes, flushes, prefetches, control, errors) and every
+piece of a large command, one at a time, in the same turn order. A command
+is served in C only while the controller has no background work due before
+it (``Controller.quiet_until``): the first one after runs in Python, whose
+tick does that work.
+
 Time. Each client has its own virtual clock: a command starts at
 ``max(client clock, device floor)`` and the client's clock moves to its
 finish. The device floor is the latest virtual time any command finished at,
@@ -52,6 +63,7 @@ from pathlib import Path
 from emulator.config import Config
 from emulator.controller import DRAIN_TIMEOUT_S, Controller
 from emulator.errors import ChmError
+from emulator.native import ffi as core_ffi, lib as core_lib
 
 from driver.native import load_or_build
 from driver.wire import node_path, socket_path
@@ -59,12 +71,16 @@ from driver.wire import node_path, socket_path
 from . import srv_build
 
 _srv = load_or_build(srv_build.MODULE, srv_build.build, Path(srv_build.__file__).with_suffix(".lock"))
-ffi, lib = _srv.ffi, _srv.lib  # the wire's structs and constants, and the ring helpers
+ffi, lib = _srv.ffi, _srv.lib  # the wire's structs and constants, the ring helpers and the C loop
+# The controller's DRAM-hit read, as the C loop calls it (a pointer out of the native core's module).
+READ_HIT = ffi.cast("chm_read_hit_fn",
+                    int(core_ffi.cast("uintptr_t", core_ffi.addressof(core_lib, "chm_dev_read_hit"))))
 
 STATS_FIELDS = [name for name, _ in ffi.typeof("struct chm_wire_stats").fields]
 ATTACH_REQ_SIZE = ffi.sizeof("struct chm_attach_req")
-MAX_BATCH = 32
+MAX_BATCH = lib.CHM_SRV_BATCH
 CONTROL_POLL_S = 0.002  # look at the control socket at least this often while busy
+CONTROL_POLL_NS = int(CONTROL_POLL_S * 1e9)
 ATTACH_TIMEOUT_S = 2.0  # a half-sent attach request is dropped after this
 PAGE = 4096
 # A read (or a write no write buffer can refuse) longer than this is served one piece per turn,
@@ -98,12 +114,24 @@ class Job:
         self.next, self.piece, self.buf, self.start, self.finish = e.addr, piece, buf, start, start
 
 
+def _in_srv(name: str) -> property:
+    """A client's field kept in its ``struct chm_srv_qp`` (``self.srv``), where the C loop reads and updates it."""
+    return property(lambda self: getattr(self.srv, name), lambda self, value: setattr(self.srv, name, value))
+
+
 class Client:
     """One attached queue pair and what the device keeps about it."""
 
-    def __init__(self, cid: int, conn: socket.socket, pid: int, qp_map: mmap.mmap, srv, staging_offset: int,
+    batch_next = _in_srv("batch_next")  # batch[batch_next:batch_len]: fetched, not yet run
+    batch_len = _in_srv("batch_len")
+    clock = _in_srv("clock")  # the client's virtual clock
+    commands = _in_srv("commands")
+    errors = _in_srv("errors")
+
+    def __init__(self, cid: int, conn: socket.socket, pid: int, qp_map: mmap.mmap, srv, batch, staging_offset: int,
                  staging_bytes: int, stats_offset: int, clock: float, share_ppm: int, prefetch_pages_limit: int,
                  prefetch_handles_limit: int):
+        """``srv``: the queue pair, set up by chm_srv_qp_init with ``batch`` (``struct chm_sqe[MAX_BATCH]``)."""
         self.id, self.conn, self.pid = cid, conn, pid
         self.map, self.srv = qp_map, srv
         self.srv_one = ffi.new("struct chm_srv_qp *[1]", [srv])  # this queue pair alone, for chm_srv_pending
@@ -116,13 +144,20 @@ class Client:
         self.share_ppm = share_ppm
         self.prefetch_pages_limit = prefetch_pages_limit
         self.prefetch_handles_limit = prefetch_handles_limit
-        self.batch = ffi.new("struct chm_sqe[]", MAX_BATCH)  # commands fetched, not yet run
-        self.batch_next = self.batch_len = 0
-        self.job: Job | None = None
+        self.batch = batch  # commands fetched, not yet run
+        self._job: Job | None = None
         self.clock = clock
-        self.commands = 0
-        self.errors = 0
         self.last_error = ""
+
+    @property
+    def job(self) -> Job | None:
+        """Its large command in progress, if any (the C loop sees that there is one)."""
+        return self._job
+
+    @job.setter
+    def job(self, job: Job | None) -> None:
+        self._job = job
+        self.srv.has_job = job is not None
 
     def buffer(self, offset: int, length: int) -> memoryview:
         """The client's own staging bytes [offset, offset+length), or EFAULT."""
@@ -230,7 +265,9 @@ class NodeOwner:
 class DeviceServer:
     def __init__(self, cfg: Config, media_dir: str | os.PathLike | None, node: str = "chm0", pacing: bool = False,
                  spin_us: float = 50.0, log=None, format_media: bool = False,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, native_hits: bool = True):
+        """``native_hits=False`` serves every command in Python (tests compare the two paths)."""
+        self._loop = ffi.new("struct chm_srv_loop *")  # the C loop's state; floor lives here
         self.cfg = cfg
         self.drain_timeout_s = drain_timeout_s
         self.drain_error: ChmError | None = None  # what the drain at shutdown could not do (UnflushedData, ...)
@@ -270,6 +307,12 @@ class DeviceServer:
         self._last_logged: dict[str, tuple[float, int]] = {}  # complaint -> (when last logged, repeats since)
         self._next_id = 1
         self.floor = 0.0  # device virtual time: latest finish, plus idle time
+        # The C loop serves DRAM hits where the controller reads them natively and nothing is paced.
+        self.native_loop = native_hits and self.ctl.native_read and not pacing
+        loop = self._loop
+        loop.chunk_bytes = self.chunk_bytes
+        loop.read_hit = READ_HIT if self.native_loop else ffi.NULL
+        loop.dev = ffi.cast("void *", int(core_ffi.cast("uintptr_t", self.ctl.native_dev)))
         self.wall0 = time.monotonic_ns()
         self.held: list[tuple[float, int, int, Client, int, int, float, float]] = []  # pacing heap
         self._held_seq = 0
@@ -284,6 +327,15 @@ class DeviceServer:
     def node_path(self) -> Path:
         return self.owner.path
 
+    @property
+    def floor(self) -> float:
+        """Device virtual time: the latest finish, plus the wall time spent idle (the C loop moves it too)."""
+        return self._loop.floor
+
+    @floor.setter
+    def floor(self, value: float) -> None:
+        self._loop.floor = value
+
     def request_stop(self, *_):
         self.stop_requested = True
         try:
@@ -296,6 +348,16 @@ class DeviceServer:
         last_control = time.monotonic()
         try:
             while not self.stop_requested:
+                if self.native_loop:
+                    if self._serve_native() == lib.CHM_SRV_IDLE:
+                        self._sleep()
+                        last_control = time.monotonic()
+                        continue
+                    now = time.monotonic()
+                    if now - last_control > CONTROL_POLL_S:
+                        self._control(self.poller.poll(0))
+                        last_control = now
+                    continue
                 if self._run_ready():
                     now = time.monotonic()
                     if now - last_control > CONTROL_POLL_S:
@@ -325,6 +387,8 @@ class DeviceServer:
 
     def _teardown(self, now: float) -> float:
         done = now
+        self._loop.read_hit = ffi.NULL  # the controller goes
+        self.native_loop = False
         try:
             if self.ctl is not None:
                 ctl, self.ctl = self.ctl, None
@@ -401,6 +465,25 @@ class DeviceServer:
         if self.held:
             self._post_due()
         return did
+
+    def _serve_native(self) -> int:
+        """One call of the C loop, and the Python work it hands back; returns the C loop's status (a client's
+        index when it handed one back)."""
+        loop = self._loop
+        loop.quiet_until = self.ctl.quiet_until(loop.floor)
+        i = lib.chm_srv_serve(loop, self.spin_ns, CONTROL_POLL_NS)
+        if i >= 0:
+            c = self._order[i]
+            if c.job is not None:  # its next piece is its whole turn
+                self._step(c)
+                loop.in_turn, loop.turn = 0, i + 1
+            else:
+                e = c.batch[c.batch_next]
+                c.batch_next += 1
+                if e.opcode in BULK_OPCODES:
+                    loop.budget -= e.len
+                self._command(c, e)
+        return i
 
     def _command(self, c: Client, e) -> None:
         start = max(c.clock, self._now())
@@ -778,13 +861,14 @@ class DeviceServer:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             qp_map = mmap.mmap(fd, total)
             srv = ffi.new("struct chm_srv_qp *")
+            batch = srv.batch = ffi.new("struct chm_sqe[]", MAX_BATCH)
             base = ffi.from_buffer(qp_map)
             lib.chm_srv_qp_init(srv, base, cid, sq, cq, staging)
             del base
             share = req.prefetch_share_ppm or round(self.cfg.policy.prefetch_client_share * lib.CHM_PPM)
             engine = self.ctl.engine
             # The share applies alike to the window's pages and to the handles; each limit is at least one.
-            c = Client(cid, conn, pid, qp_map, srv, offs[3], staging, offs[2], self._now(), share,
+            c = Client(cid, conn, pid, qp_map, srv, batch, offs[3], staging, offs[2], self._now(), share,
                        max(1, engine.window_pages * share // lib.CHM_PPM),
                        max(1, engine.max_handles * share // lib.CHM_PPM))
             self.clients[cid] = c
@@ -854,6 +938,9 @@ class DeviceServer:
         self._qp_array = ffi.new("struct chm_srv_qp *[]", max(1, len(self._order)))
         for i, c in enumerate(self._order):
             self._qp_array[i] = c.srv
+        loop = self._loop
+        loop.qps, loop.n = self._qp_array, len(self._order)
+        loop.turn = loop.in_turn = loop.ran = 0  # a new pass
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
