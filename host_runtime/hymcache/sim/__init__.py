@@ -5,6 +5,8 @@ Usage::
     chm hymcache simulate --figure 13                     # the paper's Fig. 13 preset, all its tiers
     chm hymcache simulate --figure 13 --tiers hymcache,lmcache-local --dram 128GiB --json out.json --plot out.png
     chm hymcache simulate --preset my.toml --conversations 64 --turns 4
+    chm hymcache simulate --figure 10                     # PD 4P-1D-1S (Qwen2.5-32B, ~1.5 TB reusable KV)
+    chm hymcache simulate --figure 12                     # Fig. 10 with staging 10-40 GB per node (a sweep)
 
 Every setting of a preset (``presets/figNN.toml``, each number with its source) has a flag; see
 ``chm hymcache simulate --help``.
@@ -12,18 +14,24 @@ Every setting of a preset (``presets/figNN.toml``, each number with its source) 
 How it is built:
 
 * ``events.py``: one heap of events in virtual time (ns); processes are generators.
-* ``workload.py``: LMSYS-style multi-turn chat (the replayer's conversation statistics).
+* ``workload.py``: LMSYS-style multi-turn chat (the replayer's conversation statistics) and AIPerf-style
+  synthetic multi-turn conversations (ISL, answers threaded into the history, a shared prefix, routed to
+  a prefill worker per conversation).
 * ``worker.py``: a vLLM-like worker (chunked prefill, prefix cache, the KV connector's synchronous
-  loads and stores) and the client (turn by turn, ``concurrency`` in flight).
+  loads and stores), the PD decode worker (admits by KV room, pulls the prompt's KV over the P->D
+  links, decodes; the prefill worker frees its blocks once pulled) and the client (turn by turn,
+  ``concurrency`` in flight).
 * ``gpu.py``: step time from FLOPs and bytes on a GPU profile (``replay/prefill.py`` + ``gpus/``);
   ``gpucache.py``: vLLM's prefix cache (LRU of free blocks, tail first).
 * ``tiers.py``: the remote tiers behind one interface (``RemoteTier``): recompute, gpu-prefix,
-  lmcache-local, hymcache (the runtime's ``Master`` and ``KVManager`` in process on a
+  lmcache-local, mooncake-dram (Mooncake Store's master over one DRAM segment per prefill node, transfer
+  buffers with insert timeouts), hymcache (the runtime's ``Master`` and ``KVManager`` in process on a
   ``ManualClock`` the simulation drives, over the emulator's ``Controller`` with data off), cmm-h.
   Links are the emulator's timing pipes (the device's RDMA link inside its Controller; PCIe here).
-* ``run.py``: one run per tier, rows per tier x turn, summaries, speedups (makespan ratios);
+* ``run.py``: the topologies (single node; PD: prefill nodes with a KV port and a P->D port each, a
+  decode node, the storage node's link as the device's), one run per tier (per tier x staging size with
+  a sweep), rows per tier x turn, summaries, speedups (makespan ratios);
   ``report.py``: table and plot; ``cli.py``: the subcommand.
 
-Adding a topology (the PD setups of Fig. 10-12, 14, 15) means more workers and hosts sharing one
-tier; adding a tier means one more ``RemoteTier`` class.
+Adding a tier means one more ``RemoteTier`` class (per node, over a shared backend in PD).
 """

@@ -16,6 +16,9 @@ examples:
   chm hymcache simulate --figure 13
   chm hymcache simulate --figure 13 --tiers hymcache,lmcache-local --dram 128GiB --json out.json --plot out.png
   chm hymcache simulate --figure 13 --conversations 64 --turns 4 --tiers hymcache,cmm-h
+  chm hymcache simulate --figure 10                     # PD 4P-1D-1S, Qwen2.5-32B, ~1.5 TB of reusable KV
+  chm hymcache simulate --figure 12                     # Fig. 10's setup, staging 10-40 GB per node
+  chm hymcache simulate --figure 10 --tiers mooncake-dram,hymcache --staging-sweep 10GiB,40GiB
 """
 
 
@@ -26,8 +29,9 @@ def register(sub) -> None:
     import textwrap
 
     description = textwrap.fill(
-        "Simulate serving a multi-turn workload in virtual time, on one node: a vLLM-like worker (chunked prefill, "
-        "GPU prefix cache) over one remote KV tier at a time (recompute, gpu-prefix, lmcache-local, hymcache: the "
+        "Simulate serving a multi-turn workload in virtual time, on one node or PD-disaggregated (prefill workers, "
+        "a decode worker, a storage node): vLLM-like workers (chunked prefill, GPU prefix cache) over one remote KV "
+        "tier at a time (recompute, gpu-prefix, lmcache-local, mooncake-dram: a DRAM pool over RDMA; hymcache: the "
         "runtime's Master and KV Manager with the emulated device; cmm-h: a stock LRU device).", 100)
     p = sub.add_parser("simulate", help="serving simulation in virtual time (the paper's serving figures)",
                        description=description, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -41,6 +41,19 @@ class Field:
 
 
 FIELDS = [
+    Field("topology.kind", "choice", flag="--topology", help="single: one serving node; pd: prefill workers, one "
+          "decode worker, one storage node", choices=("single", "pd")),
+    Field("topology.prefill_workers", "int", 1, 1024, "--prefill-workers", "PD: prefill workers (one GPU, one node each)"),
+    Field("topology.decode_tp", "int", 1, 64, "--decode-tp", "PD: GPUs of the decode worker (tensor parallel)"),
+    Field("topology.kv_port_gbps", "float", 0.001, 1e5, "--kv-port-gbps",
+          "PD: each prefill node's port for the remote KV tier (Gbit/s)"),
+    Field("topology.pd_port_gbps", "float", 0.001, 1e5, "--pd-port-gbps", "PD: each prefill node's P->D port (Gbit/s)"),
+    Field("topology.decode_gbps", "float", 0.001, 1e5, "--decode-gbps", "PD: the decode node's aggregate link (Gbit/s)"),
+    Field("topology.storage_gbps", "float", 0.001, 1e5, "--storage-gbps",
+          "the storage node's aggregate link (Gbit/s): the HyMCache / CMM-H device's RDMA link"),
+    Field("topology.rdma_latency_ns", "float", 0, 1e9, "--rdma-latency-ns", "one RDMA transfer's latency (ns)"),
+    Field("workload.kind", "choice", flag="--workload", help="lmsys: LMSYS-style chat; aiperf: AIPerf-style synthetic "
+          "multi-turn", choices=("lmsys", "aiperf")),
     Field("workload.conversations", "int", 1, 1_000_000, "--conversations", "conversations (the workload's size)"),
     Field("workload.turns", "int", 1, 1000, "--turns", "turns per conversation"),
     Field("workload.concurrency", "int", 1, 100_000, "--concurrency", "requests in flight (the client's limit)"),
@@ -48,6 +61,10 @@ FIELDS = [
     Field("workload.mean_prompt_tokens", "float", 1, 1e6, "--mean-prompt-tokens", "mean user prompt per turn"),
     Field("workload.mean_response_tokens", "float", 1, 1e6, "--mean-response-tokens",
           "mean recorded response per turn (part of the next turn's history)"),
+    Field("workload.input_tokens", "float", 1, 1e6, "--isl", "aiperf: user tokens per turn (ISL mean)"),
+    Field("workload.input_tokens_stddev", "float", 0, 1e6, "--isl-stddev", "aiperf: ISL standard deviation"),
+    Field("workload.prefix_ratio", "float", 0, 1, "--prefix-ratio",
+          "aiperf: share of the first turn's ISL that is a prefix every conversation shares"),
     Field("workload.seed", "int", 0, 2**63 - 1, "--seed", "random seed of the token lengths"),
     Field("model.name", "choice", flag="--model", help="model (replay/models.py)", choices=tuple(MODELS)),
     Field("model.tokens_per_block", "int", 1, 1 << 20, "--tokens-per-block", "tokens per KV block"),
@@ -63,6 +80,17 @@ FIELDS = [
     Field("tiers.staging", "bytes", 1 << 20, 64 * TiB, "--staging", "host staging buffer per node"),
     Field("tiers.load_timeout_s", "float", 1e-6, 3600, "--timeout",
           "a remote load not done by then is recomputed (seconds)"),
+    Field("sweep.staging", "byteslist", flag="--staging-sweep",
+          help="comma-separated staging sizes: each tier that uses a staging buffer runs once per size (empty: none)"),
+    Field("mooncake.capacity", "bytes", 1 << 20, 1 << 50, "--mooncake-capacity",
+          "Mooncake's DRAM pool, in all (split evenly over the prefill nodes)"),
+    Field("mooncake.insert_timeout_s", "float", 1e-6, 3600, "--insert-timeout",
+          "Mooncake: an insert not done by then is dropped (seconds)"),
+    Field("mooncake.high_watermark", "float", 0.01, 1.0, "--mooncake-high-watermark",
+          "Mooncake master: evict when a put takes the pool past this share"),
+    Field("mooncake.eviction_ratio", "float", 0.0001, 1.0, "--mooncake-eviction-ratio",
+          "Mooncake master: share of objects evicted per eviction"),
+    Field("mooncake.lease_s", "float", 0, 3600, "--mooncake-lease", "Mooncake master: read lease of an object (s)"),
     Field("lmcache.chunk_tokens", "int", 1, 1 << 20, "--chunk-tokens", "LMCache chunk size in tokens"),
     Field("hymcache.profile", "str", flag="--hymcache-profile", help="device profile of the hymcache tier"),
     Field("hymcache.window_bytes", "bytes", 1, TiB, "--window", "KV Manager prefetch window per request"),
@@ -74,6 +102,8 @@ BY_KEY = {f.key: f for f in FIELDS}
 def _range(f: Field) -> str:
     if f.kind == "choice":
         return f"one of {', '.join(f.choices)}"
+    if f.kind == "byteslist":
+        return "a list of byte counts (integers, or with a unit: KiB, MiB, GiB, TiB), possibly empty"
     if f.kind == "tiers":
         return f"a non-empty list of distinct tiers from {', '.join(TIERS)}"
     if f.kind == "str":
@@ -133,6 +163,17 @@ def check(f: Field, value: Any, where: str | None = None) -> Any:
         if not isinstance(value, str) or not value:
             raise bad()
         return value
+    if f.kind == "byteslist":
+        items = [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise bad()
+        out = []
+        for item in items:
+            try:
+                out.append(parse_bytes(item, name))
+            except (ValueError, TypeError):
+                raise bad() from None
+        return out
     if f.kind == "tiers":
         items = [t.strip() for t in value.split(",")] if isinstance(value, str) else value
         if not isinstance(items, list) or not items or any(t not in TIERS for t in items) \

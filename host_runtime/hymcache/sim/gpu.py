@@ -86,7 +86,12 @@ def load_serving_gpu(name: str) -> ServingGpu:
 class StepModel:
     """Time of one forward step of a batch on ``gpu`` for ``model``."""
 
-    def __init__(self, model: KvModel, gpu: ServingGpu):
+    def __init__(self, model: KvModel, gpu: ServingGpu, tp: int = 1):
+        """``tp``: GPUs in tensor parallel (one worker): FLOP/s, HBM and HBM bandwidth scale by ``tp``, the
+        weights are split among them (all-reduce time is not modelled)."""
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp = {tp!r} must be an integer >= 1")
+        self.tp = tp
         if model.name not in TOTAL_PARAMS:
             raise ValueError(f"model.name = {model.name!r} has no parameter count here; known: "
                              f"{', '.join(TOTAL_PARAMS)}")
@@ -108,14 +113,14 @@ class StepModel:
         for start, n in chunks:
             flops += self.flops(start, n)
             kv_tokens += start + n
-        compute = flops / self.gpu.flops_per_s
+        compute = flops / (self.gpu.flops_per_s * self.tp)
         memory = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (self.gpu.hbm_bandwidth_gbps * 1e9
-                                                                             * self.gpu.mbu)
+                                                                             * self.gpu.mbu * self.tp)
         return max(compute, memory) * 1e9
 
     def kv_blocks(self, gpu_memory_utilization: float, activation_bytes: int, block_bytes: int) -> int:
         """vLLM's KV cache: HBM x utilization - weights - activation peak, in blocks."""
-        free = self.gpu.hbm_bytes * gpu_memory_utilization - self.weight_bytes - activation_bytes
+        free = (self.gpu.hbm_bytes * gpu_memory_utilization - activation_bytes) * self.tp - self.weight_bytes
         blocks = math.floor(free / block_bytes)
         if blocks < 1:
             raise ValueError(f"gpu: {self.gpu.hbm_bytes} bytes x gpu_memory_utilization {gpu_memory_utilization} "

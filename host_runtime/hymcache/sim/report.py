@@ -21,18 +21,20 @@ def _cell(value, fmt: str, width: int) -> str:
 
 
 def table(result: dict) -> str:
-    lines = ["  ".join(f"{h:<{w}}" if f == "s" else f"{h:>{w}}" for h, _, w, f in COLUMNS)]
+    tw = max([13] + [len(r["tier"]) for r in result["rows"]])  # labels of a staging sweep: tier@SIZE
+    columns = [(h, k, tw if k == "tier" else w, f) for h, k, w, f in COLUMNS]
+    lines = ["  ".join(f"{h:<{w}}" if f == "s" else f"{h:>{w}}" for h, _, w, f in columns)]
     prev = None
     for row in result["rows"]:
         if prev is not None and row["tier"] != prev:
             lines.append("")
         prev = row["tier"]
-        lines.append("  ".join(_cell(row[k], f, w) for _, k, w, f in COLUMNS))
+        lines.append("  ".join(_cell(row[k], f, w) for _, k, w, f in columns))
     lines.append("")
-    lines.append(f"{'tier':<13}  {'makespan s':>10}  {'TTFT mean ms':>12}  {'TTFT p99 ms':>11}  {'skipped':>7}  "
+    lines.append(f"{'tier':<{tw}}  {'makespan s':>10}  {'TTFT mean ms':>12}  {'TTFT p99 ms':>11}  {'skipped':>7}  "
                  f"{'recomputed tok':>14}  {'sim wall s':>10}")
     for name, sm in result["summary"].items():
-        lines.append(f"{name:<13}  {sm['makespan_s']:>10.1f}  {sm['ttft_mean_ms']:>12.0f}  {sm['ttft_p99_ms']:>11.0f}  "
+        lines.append(f"{name:<{tw}}  {sm['makespan_s']:>10.1f}  {sm['ttft_mean_ms']:>12.0f}  {sm['ttft_p99_ms']:>11.0f}  "
                      f"{sm['skipped_inserts']:>7d}  {sm['recomputed_tokens']:>14d}  {sm.get('wall_s', 0):>10.1f}")
     for name, x in result["speedups"].items():
         lines.append(f"speedup {name.replace('_', ' ')}: {x:.2f}x (makespan ratio)")

@@ -31,23 +31,27 @@ from host_runtime.replay.models import get_model
 from .events import Env
 from .gpu import StepModel, load_serving_gpu
 from .gpucache import GpuPrefixCache
-from .tiers import GpuPrefixTier, HyMCacheTier, Host, LMCacheLocal, RecomputeTier
-from .worker import Worker, client
-from .workload import conversations
+from .tiers import (GpuPrefixTier, HyMCacheTier, Host, LMCacheLocal, MooncakePool, MooncakeTier, Nic, RecomputeTier,
+                    rdma)
+from .worker import DecodeWorker, Worker, client
+from .workload import aiperf_conversations, conversations, reusable_footprint_bytes
 
 ROW_FIELDS = ("tier", "turn", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "e2e_ms", "read_gbps", "write_gbps",
               "skipped_inserts", "recomputed_tokens")
 EXTRA_FIELDS = ("gpu_hit_rate", "reuse_rate", "ttft_mean_ms", "turn_s", "requests", "reusable_tokens",
-                "gpu_hit_tokens", "loaded_tokens", "computed_tokens", "timeouts")
+                "gpu_hit_tokens", "loaded_tokens", "computed_tokens", "timeouts", "base_tier", "staging_bytes")
+USES_STAGING = ("mooncake-dram", "hymcache", "cmm-h")  # tiers whose transfers go through the staging buffer
 
 
-def device_config(profile: str, dram_bytes: int, policy: str | None = None):
+def device_config(profile: str, dram_bytes: int, policy: str | None = None, link_gbps: float | None = None):
     """The emulator profile with data off and the DRAM budget. The prefetch window and flush batch keep their
     share of the (read staging, write buffer) areas when the DRAM differs from the profile's."""
     from emulator.config import load_profile
 
     base = load_profile(profile)
     changes: dict[str, Any] = {"emulation.data": False}
+    if link_gbps is not None:  # the storage node's aggregate link is the device's RDMA link
+        changes["host_link.bandwidth_gbps"] = link_gbps / 8
     if policy:
         changes["policy.name"] = policy
     cfg = base.with_overrides(changes)
@@ -66,23 +70,60 @@ def device_config(profile: str, dram_bytes: int, policy: str | None = None):
     return cfg
 
 
-def make_tier(name: str, env: Env, host: Host, s: dict, block_bytes: int):
+def make_tiers(name: str, env: Env, hosts: list[Host], s: dict, block_bytes: int) -> list:
+    """Tier ``name`` on every prefill node (``hosts``): one object per node over one shared backend."""
+    B = s["model.tokens_per_block"]
     if name == "recompute":
-        return RecomputeTier(env, host, block_bytes)
+        return [RecomputeTier(env, h, block_bytes) for h in hosts]
     if name == "gpu-prefix":
-        return GpuPrefixTier(env, host, block_bytes)
-    if name == "lmcache-local":
-        return LMCacheLocal(env, host, block_bytes, s["model.tokens_per_block"], s["tiers.dram"],
-                            s["lmcache.chunk_tokens"])
-    if name == "hymcache":
-        cfg = device_config(s["hymcache.profile"], s["tiers.dram"], "hymcache")
-        return HyMCacheTier(env, host, block_bytes, cfg, window_bytes=s["hymcache.window_bytes"],
-                            timeout_s=s["tiers.load_timeout_s"])
-    if name == "cmm-h":
-        cfg = device_config(s["cmm-h.profile"], s["tiers.dram"], "lru")
-        return HyMCacheTier(env, host, block_bytes, cfg, window_bytes=s["hymcache.window_bytes"],
-                            timeout_s=s["tiers.load_timeout_s"], prefetch=False, name="cmm-h")
+        return [GpuPrefixTier(env, h, block_bytes) for h in hosts]
+    if name == "lmcache-local":  # per worker: its own DRAM
+        return [LMCacheLocal(env, h, block_bytes, B, s["tiers.dram"], s["lmcache.chunk_tokens"]) for h in hosts]
+    if name == "mooncake-dram":
+        chunk_bytes = s["lmcache.chunk_tokens"] // B * block_bytes
+        pool = MooncakePool(len(hosts), s["mooncake.capacity"], chunk_bytes, high_watermark=s["mooncake.high_watermark"],
+                            eviction_ratio=s["mooncake.eviction_ratio"], lease_s=s["mooncake.lease_s"],
+                            seed=s["workload.seed"])
+        out: list = []
+        for h in hosts:
+            out.append(MooncakeTier(env, h, block_bytes, B, s["lmcache.chunk_tokens"], pool, hosts,
+                                    timeout_s=s["tiers.load_timeout_s"], insert_timeout_s=s["mooncake.insert_timeout_s"],
+                                    peer=out[0] if out else None))
+        return out
+    if name in ("hymcache", "cmm-h"):
+        hym = name == "hymcache"
+        cfg = device_config(s["hymcache.profile" if hym else "cmm-h.profile"], s["tiers.dram"],
+                            "hymcache" if hym else "lru", s["topology.storage_gbps"])
+        out = []
+        for h in hosts:
+            out.append(HyMCacheTier(env, h, block_bytes, cfg, window_bytes=s["hymcache.window_bytes"],
+                                    timeout_s=s["tiers.load_timeout_s"], prefetch=hym, name=name,
+                                    peer=out[0] if out else None))
+        return out
     raise ValueError(f"tier {name!r} is not built here")
+
+
+def make_tier(name: str, env: Env, host: Host, s: dict, block_bytes: int):
+    """One node's tier (the single topology)."""
+    return make_tiers(name, env, [host], s, block_bytes)[0]
+
+
+def make_turns(s: dict):
+    """The workload of settings ``s``: ``result[t - 1]`` = turn t of every conversation."""
+    P = s["topology.prefill_workers"] if s["topology.kind"] == "pd" else 1
+    if s["workload.kind"] == "aiperf":
+        return aiperf_conversations(s["workload.conversations"], s["workload.turns"],
+                                    input_tokens=s["workload.input_tokens"],
+                                    input_tokens_stddev=s["workload.input_tokens_stddev"],
+                                    output_tokens=s["workload.max_tokens"], prefix_ratio=s["workload.prefix_ratio"],
+                                    prefill_workers=P, seed=s["workload.seed"])
+    turns = conversations(s["workload.conversations"], s["workload.turns"],
+                          mean_prompt_tokens=s["workload.mean_prompt_tokens"],
+                          mean_response_tokens=s["workload.mean_response_tokens"], seed=s["workload.seed"])
+    if P > 1:
+        import dataclasses
+        turns = [[dataclasses.replace(t, worker=t.conversation % P) for t in batch] for batch in turns]
+    return turns
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -139,25 +180,58 @@ class TurnStats:
         }
 
 
-def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None] | None = None) -> dict:
-    """Run tier ``name`` under settings ``s`` ({section.name: value}); its rows and summary."""
+def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None] | None = None,
+                  label: str | None = None) -> dict:
+    """Run tier ``name`` under settings ``s`` ({section.name: value}); its rows and summary.
+
+    ``topology.kind = single``: one worker (prefill and decode) over the tier. ``pd``: ``prefill_workers``
+    prefill workers (one GPU and one host each: PCIe, staging, a KV port and a P->D port), each with its
+    node's view of the tier; one decode worker (``decode_tp`` GPUs) behind one aggregate link; the
+    tier's storage (HyMCache's device) behind the storage node's link."""
     wall0 = time.perf_counter()
+    label = label or name
     model = get_model(s["model.name"])
     B = s["model.tokens_per_block"]
     block_bytes = model.block_bytes(B)
     gpu = load_serving_gpu(s["gpu.profile"])
     steps = StepModel(model, gpu)
     if turns is None:
-        turns = conversations(s["workload.conversations"], s["workload.turns"],
-                              mean_prompt_tokens=s["workload.mean_prompt_tokens"],
-                              mean_response_tokens=s["workload.mean_response_tokens"], seed=s["workload.seed"])
+        turns = make_turns(s)
     env = Env()
-    host = Host(env, gpu.pcie_gbps, gpu.pcie_latency_ns, s["tiers.staging"])
-    tier = make_tier(name, env, host, s, block_bytes)
+    pd = s["topology.kind"] == "pd"
+    P = s["topology.prefill_workers"] if pd else 1
+    lat = s["topology.rdma_latency_ns"]
+    hosts = [Host(env, gpu.pcie_gbps, gpu.pcie_latency_ns, s["tiers.staging"], index=i,
+                  kv_nic=Nic(f"prefill{i}.kv", s["topology.kv_port_gbps"], lat) if pd else None,
+                  pd_nic=Nic(f"prefill{i}.pd", s["topology.pd_port_gbps"], lat) if pd else None)
+             for i in range(P)]
+    tiers = make_tiers(name, env, hosts, s, block_bytes)
     capacity = steps.kv_blocks(s["gpu.gpu_memory_utilization"], s["gpu.activation_bytes"], block_bytes)
-    cache = GpuPrefixCache(capacity, caching=tier.gpu_prefix_caching)
-    worker = Worker(env, steps, cache, tier, tokens_per_block=B,
-                    max_num_batched_tokens=s["gpu.max_num_batched_tokens"], max_num_seqs=s["gpu.max_num_seqs"])
+    caches = [GpuPrefixCache(capacity, caching=t.gpu_prefix_caching) for t in tiers]
+    decode = None
+    pd_bytes = [0]
+    if pd:
+        dsteps = StepModel(model, gpu, tp=s["topology.decode_tp"])
+        dcap = dsteps.kv_blocks(s["gpu.gpu_memory_utilization"], s["gpu.activation_bytes"], block_bytes)
+        decode_nic = Nic("decode", s["topology.decode_gbps"], lat)
+        releases: dict[str, Callable[[], None]] = {}
+
+        def pull(r):
+            """The decode worker pulls the prompt's KV over the prefill node's P->D port and its own link."""
+            nbytes = r.input * model.bytes_per_token
+            pd_bytes[0] += nbytes
+            yield rdma(hosts[r.worker % P].pd_nic, decode_nic, env.now, nbytes)
+            releases.pop(r.rid)()  # the prefill worker frees the request's blocks
+
+        decode = DecodeWorker(env, dsteps, dcap, tokens_per_block=B, max_num_seqs=s["gpu.max_num_seqs"], pull=pull)
+
+        def handoff(r, release):
+            releases[r.rid] = release
+            decode.submit(r)
+    workers = [Worker(env, steps, cache, tier, tokens_per_block=B,
+                      max_num_batched_tokens=s["gpu.max_num_batched_tokens"], max_num_seqs=s["gpu.max_num_seqs"],
+                      handoff=handoff if pd else None)
+               for cache, tier in zip(caches, tiers)]
     stats: list[TurnStats] = []
 
     def on_done(r):
@@ -165,55 +239,100 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
         if on_request is not None:
             on_request()
 
-    env.process(worker.run())
-    c = env.process(client(env, turns, worker, concurrency=s["workload.concurrency"], tokens_per_block=B,
-                           max_tokens=s["workload.max_tokens"],
+    for w in workers:
+        env.process(w.run())
+    if decode is not None:
+        env.process(decode.run())
+    c = env.process(client(env, turns, workers, concurrency=s["workload.concurrency"], tokens_per_block=B,
+                           max_tokens=1 if pd else s["workload.max_tokens"],
+                           decode_tokens=s["workload.max_tokens"] if pd else 0,
                            on_turn_start=lambda t, now: stats.append(TurnStats(t, now)), on_done=on_done))
     while not c.done.fired:
         env.run()
         if not c.done.fired:
             raise RuntimeError("the simulation stopped with requests outstanding (a process waits forever)")
-    rows = [st.row(name, B) for st in stats]
+    rows = [st.row(label, B) for st in stats]
+    for row in rows:
+        row["base_tier"], row["staging_bytes"] = name, s["tiers.staging"]
     ttft = [x for st in stats for x in st.ttft]
     makespan = (stats[-1].end - stats[0].start) / 1e9 if stats else 0.0
-    return {
-        "tier": name, "rows": rows,
-        "summary": {"tier": name, "makespan_s": makespan,
-                    "ttft_mean_ms": sum(ttft) / len(ttft) / 1e6 if ttft else 0.0,
-                    "ttft_p99_ms": _pct(ttft, 99) / 1e6,
-                    "skipped_inserts": sum(st.skipped for st in stats),
-                    "recomputed_tokens": sum(r["recomputed_tokens"] for r in rows),
-                    "gpu_kv_blocks": capacity, "gpu_evictions": cache.evictions, "steps": worker.steps,
-                    "gpu_busy_s": worker.busy_ns / 1e9, "load_s": worker.load_ns / 1e9,
-                    "staging_peak_bytes": host.staging.peak, "staging_waits": host.staging.waits,
-                    "events": env.resumes, "wall_s": time.perf_counter() - wall0},
-        "details": tier.describe(),
-    }
+    summary = {"tier": label, "makespan_s": makespan,
+               "ttft_mean_ms": sum(ttft) / len(ttft) / 1e6 if ttft else 0.0,
+               "ttft_p99_ms": _pct(ttft, 99) / 1e6,
+               "skipped_inserts": sum(st.skipped for st in stats),
+               "recomputed_tokens": sum(r["recomputed_tokens"] for r in rows),
+               "gpu_kv_blocks": capacity, "gpu_evictions": sum(c.evictions for c in caches),
+               "steps": sum(w.steps for w in workers),
+               "gpu_busy_s": sum(w.busy_ns for w in workers) / 1e9, "load_s": sum(w.load_ns for w in workers) / 1e9,
+               "staging_peak_bytes": max(h.staging.peak for h in hosts),
+               "staging_waits": sum(h.staging.waits for h in hosts),
+               "staging_timeouts": sum(h.staging.timeouts for h in hosts),
+               "events": env.resumes, "wall_s": time.perf_counter() - wall0}
+    if decode is not None:
+        summary.update({"decode_kv_blocks": decode.capacity, "decode_kv_peak_blocks": decode.peak_used,
+                        "decode_steps": decode.steps, "decode_busy_s": decode.busy_ns / 1e9,
+                        "pd_bytes": pd_bytes[0]})
+    details = tiers[0].describe()
+    if name == "lmcache-local" and len(tiers) > 1:  # per worker: sum the counts
+        for t in tiers[1:]:
+            d = t.describe()
+            for k in ("capacity_chunks", "chunks", "evictions"):
+                details[k] += d[k]
+    return {"tier": label, "rows": rows, "summary": summary, "details": details}
+
+
+def runs(s: dict) -> list[tuple[str, str, dict]]:
+    """(label, tier, settings) of every run of ``s``: each tier once, or -- with a staging sweep -- each tier that
+    uses the staging buffer once per size (labelled ``tier@SIZE``), the others once."""
+    out = []
+    for name in s["tiers.run"]:
+        sizes = s.get("sweep.staging") or []
+        if sizes and name in USES_STAGING:
+            for size in sizes:
+                out.append((f"{name}@{_gb(size)}", name, {**s, "tiers.staging": size}))
+        else:
+            out.append((name, name, s))
+    return out
+
+
+def _gb(n: int) -> str:
+    if n % (1 << 30) == 0:
+        return f"{n >> 30}GiB"
+    if n % 10 ** 9 == 0:
+        return f"{n // 10 ** 9}GB"
+    return f"{n >> 20}MiB" if n % (1 << 20) == 0 else f"{n}B"
 
 
 def simulate(s: dict, progress: bool = False) -> dict:
-    """Every tier of ``s["tiers.run"]`` on the same workload; rows, summaries and speedups."""
+    """Every run of ``s`` (``runs``) on the same workload; rows, summaries and speedups."""
     from tqdm import tqdm
 
-    turns = conversations(s["workload.conversations"], s["workload.turns"],
-                          mean_prompt_tokens=s["workload.mean_prompt_tokens"],
-                          mean_response_tokens=s["workload.mean_response_tokens"], seed=s["workload.seed"])
-    total = sum(len(t) for t in turns) * len(s["tiers.run"])
+    turns = make_turns(s)
+    plan = runs(s)
+    total = sum(len(t) for t in turns) * len(plan)
     wall0 = time.perf_counter()
     results = []
     with tqdm(total=total, unit="req", disable=not progress, mininterval=0.5, leave=False,
               desc="chm hymcache simulate") as bar:
-        for name in s["tiers.run"]:
-            bar.set_postfix_str(name)
-            results.append(simulate_tier(name, s, turns, on_request=lambda: bar.update(1)))
+        for label, name, settings in plan:
+            bar.set_postfix_str(label)
+            results.append(simulate_tier(name, settings, turns, on_request=lambda: bar.update(1), label=label))
     summaries = {r["tier"]: r["summary"] for r in results}
     speedups = {}
-    if "hymcache" in summaries:
-        h = summaries["hymcache"]["makespan_s"]
+    for base in [lab for lab in summaries if lab.split("@")[0] == "hymcache"]:
+        h = summaries[base]["makespan_s"]
+        at = base.partition("@")[2]
         for other, sm in summaries.items():
-            if other != "hymcache" and h > 0:
-                speedups[f"hymcache_vs_{other}"] = sm["makespan_s"] / h
-    reusable = sum(t.input_tokens for t in turns[-2]) if len(turns) > 1 else 0
+            # with a staging sweep: against the tiers without one and those at the same staging size
+            if other != base and h > 0 and other.partition("@")[2] in ("", at):
+                speedups[f"{base}_vs_{other}"] = sm["makespan_s"] / h
+    staging = {label: settings["tiers.staging"] for label, _, settings in plan}
+    for label, name, _ in plan:  # a sweep: each buffered tier at its largest staging size against its smaller ones
+        if "@" not in label:
+            continue
+        top = max((lab for lab, nm, _ in plan if nm == name and "@" in lab), key=staging.get)
+        if top != label and summaries[top]["makespan_s"] > 0:
+            speedups[f"{top}_vs_{label}"] = summaries[label]["makespan_s"] / summaries[top]["makespan_s"]
     model = get_model(s["model.name"])
     return {
         "settings": {k: v for k, v in s.items()},
@@ -221,7 +340,7 @@ def simulate(s: dict, progress: bool = False) -> dict:
         "summary": summaries, "speedups": speedups,
         "details": {r["tier"]: r["details"] for r in results},
         "workload": {"requests": sum(len(t) for t in turns),
-                     "reusable_footprint_bytes": reusable * model.bytes_per_token,  # what the last turn reuses
+                     "reusable_footprint_bytes": reusable_footprint_bytes(turns, model.bytes_per_token),
                      "kv_footprint_bytes": sum(t.input_tokens for t in turns[-1]) * model.bytes_per_token},
         "wall_s": time.perf_counter() - wall0,
     }
@@ -234,5 +353,6 @@ def write_json(result: dict, path: str) -> None:
     summary = {t: {k: v for k, v in sm.items() if k != "wall_s"} for t, sm in result["summary"].items()}
     with open(path, "w") as f:
         json.dump({"rows": rows, "summary": summary, "speedups": result["speedups"],
-                   "workload": result["workload"], "settings": result["settings"]}, f, indent=1, sort_keys=False)
+                   "workload": result["workload"], "settings": result["settings"], "details": result["details"]},
+                  f, indent=1, sort_keys=False)
         f.write("\n")

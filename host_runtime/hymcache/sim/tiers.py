@@ -17,14 +17,22 @@ Each tier counts per request what it moved (``req.read_bytes``, ``req.write_byte
 
 Tiers: ``recompute`` (no reuse at all, GPU prefix caching off), ``gpu-prefix`` (vLLM's prefix cache
 only), ``lmcache-local`` (per-worker CPU DRAM, LRU, 256-token chunks, a prefix reusable only as an
-unbroken chain from the first chunk), ``hymcache`` (the runtime's Master and KV Manager in process,
-the emulator's Controller as the device, in virtual time) and ``cmm-h`` (the same Master over a
-stock CMM-H: the Controller with policy ``lru``, demand reads, no prefetch window).
+unbroken chain from the first chunk), ``mooncake-dram`` (a DRAM pool over RDMA, one segment per
+prefill node, Mooncake Store's master rules, per-node transfer buffers with insert timeouts),
+``hymcache`` (the runtime's Master and KV Manager in process, the emulator's Controller as the
+device, in virtual time) and ``cmm-h`` (the same Master over a stock CMM-H: the Controller with
+policy ``lru``, demand reads, no prefetch window).
+
+In the PD topology (``topology.py``) every prefill node has its own tier object (its host: PCIe,
+staging/transfer buffer, its NIC ports) over one shared backend (the Mooncake pool; the HyMCache
+Master, KV Manager and device), built with ``peer=`` the first node's tier.
 """
 
 from __future__ import annotations
 
 import errno
+import math
+import random
 import struct
 from collections import OrderedDict, deque
 
@@ -33,35 +41,51 @@ from emulator.timing import Pipe
 
 from .events import Env
 
-TIERS = ("recompute", "gpu-prefix", "lmcache-local", "hymcache", "cmm-h")
+TIERS = ("recompute", "gpu-prefix", "lmcache-local", "mooncake-dram", "hymcache", "cmm-h")
 NS = 1e9
 
 
 class Staging:
     """The host's staging buffer (bytes): transfer space between the remote tier and the GPU.
 
-    Loads wait for room (back-pressure, first come first served); stores take what is free now and
-    skip the rest (the connector's rule: transfer space, not a cache)."""
+    ``take`` waits for room (back-pressure, first come first served), until an optional deadline: past
+    it, it gives up (False) and leaves the queue. The HyMCache connector's stores take what is free now
+    and skip the rest (transfer space, not a cache); Mooncake's inserts wait up to their timeout."""
 
     def __init__(self, env: Env, capacity: int):
         self.env, self.capacity, self.used, self.peak = env, capacity, 0, 0
         self.waiters: deque = deque()
         self.waits = 0
+        self.timeouts = 0
 
     def free(self) -> int:
         return self.capacity - self.used
 
-    def take(self, n: int):
-        """Process: wait until ``n`` bytes are free, then hold them."""
+    def take(self, n: int, deadline: float = math.inf):
+        """Process: wait until ``n`` bytes are free, then hold them (True); False if ``deadline`` passes first."""
         if n > self.capacity:
             raise ValueError(f"a block of {n} bytes can never fit the staging buffer of {self.capacity} bytes")
         if self.waiters or self.used + n > self.capacity:
+            if deadline <= self.env.now:
+                self.timeouts += 1
+                return False
             self.waits += 1
             ev = self.env.event()
-            self.waiters.append((n, ev))
-            yield ev  # give() has taken the bytes for us
-            return
+            w = (n, ev)
+            self.waiters.append(w)
+            if deadline < math.inf:
+                self.env.call_at(deadline, lambda: self._expire(w))
+            return (yield ev)  # True: give() has taken the bytes for us
         self.hold(n)
+        return True
+
+    def _expire(self, w) -> None:
+        if w[1].fired:
+            return
+        self.waiters.remove(w)
+        self.timeouts += 1
+        w[1].succeed(False)
+        self._grant()  # a smaller waiter behind it may fit now
 
     def hold(self, n: int) -> None:
         self.used += n
@@ -69,19 +93,46 @@ class Staging:
 
     def give(self, n: int) -> None:
         self.used -= n
+        self._grant()
+
+    def _grant(self) -> None:
         while self.waiters and self.waiters[0][0] <= self.capacity - self.used:
             m, ev = self.waiters.popleft()
             self.hold(m)  # taken now, on the waiter's behalf: nobody can overtake it before it resumes
-            ev.succeed()
+            ev.succeed(True)
+
+
+class Nic:
+    """One RDMA port of a node: a pipe per direction (full duplex), bandwidth in Gbit/s."""
+
+    def __init__(self, name: str, gbps: float, latency_ns: float):
+        self.gbps = gbps
+        self.rx = Pipe(f"{name}.rx", latency_ns, gbps / 8)
+        self.tx = Pipe(f"{name}.tx", latency_ns, gbps / 8)
+
+
+def rdma(src: "Nic | None", dst: "Nic | None", now: float, nbytes: int) -> float:
+    """Arrival of ``nbytes`` sent at ``now`` out of ``src``'s port into ``dst``'s (either may be absent: a link
+    modelled elsewhere, or none): both ports are reserved from ``now``; the slower one decides (cut-through)."""
+    t = now
+    if src is not None:
+        t = max(t, src.tx.transfer(now, nbytes))
+    if dst is not None:
+        t = max(t, dst.rx.transfer(now, nbytes))
+    return t
 
 
 class Host:
-    """One serving node's host side: the PCIe link to its GPU (one pipe per direction) and its staging buffer."""
+    """One serving node's host side: the PCIe link to its GPU (one pipe per direction), its staging buffer and,
+    in the PD topology, its NIC ports: ``kv_nic`` (the remote KV tier's traffic) and ``pd_nic`` (P->D)."""
 
-    def __init__(self, env: Env, pcie_gbps: float, pcie_latency_ns: float, staging_bytes: int):
+    def __init__(self, env: Env, pcie_gbps: float, pcie_latency_ns: float, staging_bytes: int, *, index: int = 0,
+                 kv_nic: Nic | None = None, pd_nic: Nic | None = None):
+        self.index = index
         self.h2d = Pipe("pcie.h2d", pcie_latency_ns, pcie_gbps)
         self.d2h = Pipe("pcie.d2h", pcie_latency_ns, pcie_gbps)
         self.staging = Staging(env, staging_bytes)
+        self.kv_nic, self.pd_nic = kv_nic, pd_nic
 
 
 class RemoteTier:
@@ -150,18 +201,22 @@ class LMCacheLocal(RemoteTier):
         self.evictions = 0
         self._pending: dict[str, tuple[list, float]] = {}
 
-    def _chain(self, conv: int, limit_blocks: int) -> int:
+    def _ckey(self, req, c: int) -> tuple[int, int]:
+        """Chunk ``c``'s key: (-1, c) inside the shared prefix, else (conversation, c)."""
+        return (-1 if (c + 1) * self.per_chunk <= req.shared_blocks else req.conv), c
+
+    def _chain(self, req, limit_blocks: int) -> int:
         c = 0
-        while c * self.per_chunk < limit_blocks and (conv, c) in self.lru:
+        while c * self.per_chunk < limit_blocks and self._ckey(req, c) in self.lru:
             c += 1
         return min(c * self.per_chunk, limit_blocks)
 
     def lookup(self, req) -> int:
         """The chain beyond the GPU hit; its chunks are pinned until loaded (LMCache's lookup pins its hits)."""
-        n = max(0, self._chain(req.conv, req.lookup_blocks) - req.gpu_hit)
+        n = max(0, self._chain(req, req.lookup_blocks) - req.gpu_hit)
         if n:
             g = req.gpu_hit
-            keys = [(req.conv, c) for c in range(g // self.per_chunk, (g + n - 1) // self.per_chunk + 1)]
+            keys = [self._ckey(req, c) for c in range(g // self.per_chunk, (g + n - 1) // self.per_chunk + 1)]
             for k in keys:
                 self.pinned[k] = self.pinned.get(k, 0) + 1
             self._pins[req.rid] = keys
@@ -200,7 +255,7 @@ class LMCacheLocal(RemoteTier):
 
     def reserve_store(self, req) -> None:
         full = req.full_blocks // self.per_chunk
-        new = [c for c in range(full) if (req.conv, c) not in self.lru]
+        new = [self._ckey(req, c) for c in range(full) if self._ckey(req, c) not in self.lru]
         if not new:
             return
         arrivals = self.host.d2h.stream([self.env.now] * len(new), [self.chunk_bytes] * len(new))
@@ -213,8 +268,7 @@ class LMCacheLocal(RemoteTier):
         new, done = pending
         if done > self.env.now:
             yield done
-        for c in new:
-            key = (req.conv, c)
+        for key in new:
             if key in self.lru:
                 continue
             if len(self.lru) >= self.capacity and not self._evict_one():
@@ -225,6 +279,243 @@ class LMCacheLocal(RemoteTier):
     def describe(self) -> dict:
         return {"tier": self.name, "chunk_blocks": self.per_chunk, "capacity_chunks": self.capacity,
                 "chunks": len(self.lru), "evictions": self.evictions}
+
+
+# ---------------------------------------------------------------------------------------- Mooncake, DRAM pool
+class MooncakePool:
+    """Mooncake Store's master over a DRAM pool of ``segments`` equal segments (segment s lives on prefill
+    node s), in chunk-sized objects.
+
+    * ``put_start`` allocates an object in a segment picked at random among those with room (Mooncake's
+      default ``allocation_strategy = random``); a key present or in flight gets None (not stored twice);
+      no room anywhere: the put fails (``NO_SPACE``, -1);
+    * eviction: when a put would take the pool past ``high_watermark`` of its capacity, the master evicts
+      ``eviction_ratio`` of its objects, those whose lease ended longest ago first (here: least recently
+      leased or stored); an object read in the last ``lease_s`` (its read lease) is not evicted;
+    * ``put_end`` makes the object visible (complete); ``put_revoke`` drops an unfinished put.
+    """
+
+    def __init__(self, segments: int, capacity_bytes: int, chunk_bytes: int, *, high_watermark: float,
+                 eviction_ratio: float, lease_s: float, seed: int = 0):
+        self.segments, self.chunk_bytes = segments, chunk_bytes
+        self.seg_cap = capacity_bytes // segments // chunk_bytes
+        if self.seg_cap < 1:
+            raise ValueError(f"mooncake.capacity = {capacity_bytes} bytes over {segments} segments holds no "
+                             f"chunk of {chunk_bytes} bytes")
+        self.seg_used = [0] * segments
+        self.objects: OrderedDict = OrderedDict()  # complete: key -> segment, least recently leased/stored first
+        self.pending: dict = {}                     # key -> segment, put_start .. put_end
+        self.lease_until: dict = {}
+        self.high_watermark, self.eviction_ratio, self.lease_ns = high_watermark, eviction_ratio, lease_s * NS
+        self.rng = random.Random(seed)
+        self.counters = dict.fromkeys(("puts", "put_ends", "put_no_space", "revoked", "evictions",
+                                       "eviction_rounds"), 0)
+
+    @property
+    def capacity_chunks(self) -> int:
+        return self.seg_cap * self.segments
+
+    def where(self, key) -> int | None:
+        return self.objects.get(key)
+
+    def lease(self, key, now: float) -> None:
+        if key in self.objects:
+            self.lease_until[key] = now + self.lease_ns
+            self.objects.move_to_end(key)
+
+    def put_start(self, key, now: float) -> int | None:
+        if key in self.objects or key in self.pending:
+            return None
+        self.counters["puts"] += 1
+        if sum(self.seg_used) + 1 > self.high_watermark * self.capacity_chunks:
+            self._evict(now)
+        free = [i for i, used in enumerate(self.seg_used) if used < self.seg_cap]
+        if not free:
+            self.counters["put_no_space"] += 1
+            return -1
+        seg = free[self.rng.randrange(len(free))] if len(free) > 1 else free[0]
+        self.seg_used[seg] += 1
+        self.pending[key] = seg
+        return seg
+
+    def put_end(self, key) -> bool:
+        seg = self.pending.pop(key, None)
+        if seg is None:
+            return False
+        self.objects[key] = seg
+        self.counters["put_ends"] += 1
+        return True
+
+    def put_revoke(self, key) -> None:
+        seg = self.pending.pop(key, None)
+        if seg is not None:
+            self.seg_used[seg] -= 1
+            self.counters["revoked"] += 1
+
+    def _evict(self, now: float) -> None:
+        target = max(1, math.ceil(self.eviction_ratio * len(self.objects)))
+        victims = []
+        for key in self.objects:
+            if len(victims) >= target:
+                break
+            if self.lease_until.get(key, 0.0) <= now:
+                victims.append(key)
+        for key in victims:
+            seg = self.objects.pop(key)
+            self.lease_until.pop(key, None)
+            self.seg_used[seg] -= 1
+        self.counters["evictions"] += len(victims)
+        self.counters["eviction_rounds"] += 1
+
+
+class MooncakeTier(RemoteTier):
+    """LMCache's Mooncake backend on one prefill node (``host``) over the shared ``MooncakePool``: chunks of
+    ``chunk_tokens`` tokens, a prefix reusable only as an unbroken chain of complete objects from chunk 0.
+
+    * lookup: the chain beyond the GPU hit; its objects get a read lease (no eviction meanwhile);
+    * load: per chunk, in order: a slot of this node's transfer buffer (``host.staging``: Mooncake's
+      registered local buffer; waits for room), the RDMA read from the segment's node (its port's tx and
+      this node's rx; a chunk in this node's own segment is a local copy), then PCIe to the GPU, the slot
+      freed when it lands. Reads are issued back to back (a batched get). A chunk not in by the load
+      timeout, or evicted since the lookup, ends the load: it and the rest are recomputed;
+    * store (``wait_for_save``): for each new chunk, ``put_start`` (a segment), then a transfer-buffer
+      slot -- the worker waits for one (back-pressure on the step) at most until the insert's deadline,
+      ``insert_timeout_s`` after the store began -- the copy out of the GPU into it, then the RDMA write
+      to the segment's node, asynchronous: ``put_end`` and the slot freed when it lands. An insert that
+      gets no slot, or whose write lands after its deadline, is dropped (``put_revoke``): that chunk is
+      missing, and the prefix chain of its conversation breaks there until a later turn stores it.
+    """
+
+    name = "mooncake-dram"
+
+    def __init__(self, env: Env, host: Host, block_bytes: int, tokens_per_block: int, chunk_tokens: int,
+                 pool: MooncakePool, hosts: list, *, timeout_s: float, insert_timeout_s: float,
+                 peer: "MooncakeTier | None" = None):
+        super().__init__(env, host, block_bytes)
+        if chunk_tokens % tokens_per_block:
+            raise ValueError(f"lmcache.chunk_tokens = {chunk_tokens} must be a multiple of model.tokens_per_block "
+                             f"= {tokens_per_block}")
+        self.per_chunk = chunk_tokens // tokens_per_block
+        self.chunk_bytes = self.per_chunk * block_bytes
+        if pool.chunk_bytes != self.chunk_bytes:
+            raise ValueError("the pool's objects and this tier's chunks differ in size")
+        self.pool, self.hosts = pool, hosts
+        self.timeout_ns, self.insert_timeout_ns = timeout_s * NS, insert_timeout_s * NS
+        self._stores: dict[str, list] = {}
+        self.counters = peer.counters if peer is not None else dict.fromkeys(("loaded_chunks", "load_timeouts", "load_evicted", "inserts", "inserted",
+                                       "insert_buffer_timeouts", "insert_late", "insert_no_space"), 0)
+
+    def _ckey(self, req, c: int) -> tuple[int, int]:
+        return (-1 if (c + 1) * self.per_chunk <= req.shared_blocks else req.conv), c
+
+    def _nic(self, seg: int):
+        return self.hosts[seg].kv_nic
+
+    def _read_arrival(self, seg: int, now: float, nbytes: int) -> float:
+        if seg == self.host.index:
+            return now  # this node's own segment: a local copy
+        return rdma(self._nic(seg), self.host.kv_nic, now, nbytes)
+
+    def _write_arrival(self, seg: int, now: float, nbytes: int) -> float:
+        if seg == self.host.index:
+            return now
+        return rdma(self.host.kv_nic, self._nic(seg), now, nbytes)
+
+    def lookup(self, req) -> int:
+        c, limit = 0, req.lookup_blocks
+        while c * self.per_chunk < limit and self._ckey(req, c) in self.pool.objects:
+            c += 1
+        n = max(0, min(c * self.per_chunk, limit) - req.gpu_hit)
+        if n:
+            now = self.env.now
+            for c in range(req.gpu_hit // self.per_chunk, (req.gpu_hit + n - 1) // self.per_chunk + 1):
+                self.pool.lease(self._ckey(req, c), now)
+        return n
+
+    def load(self, req, n: int):
+        if n <= 0:
+            return 0
+        env, staging, cb, P = self.env, self.host.staging, self.chunk_bytes, self.per_chunk
+        deadline = env.now + self.timeout_ns
+        first, end = req.gpu_hit, req.gpu_hit + n
+        done, last = 0, env.now
+        for c in range(first // P, (end - 1) // P + 1):
+            ok = yield from staging.take(cb, deadline)
+            if not ok:
+                self.counters["load_timeouts"] += 1
+                req.timeouts += 1
+                break
+            seg = self.pool.where(self._ckey(req, c))
+            if seg is None:  # evicted since the lookup (its lease ran out)
+                staging.give(cb)
+                self.counters["load_evicted"] += 1
+                break
+            arrive = self._read_arrival(seg, env.now, cb)
+            if arrive > deadline:  # not in within the timeout: the worker waited for it, then recomputes
+                env.call_at(arrive, lambda: staging.give(cb))
+                last = max(last, deadline)
+                self.counters["load_timeouts"] += 1
+                req.timeouts += 1
+                break
+            h2d = self.host.h2d.transfer(arrive, cb)
+            env.call_at(h2d, lambda: staging.give(cb))
+            last = max(last, h2d)
+            done += min(end, (c + 1) * P) - max(first, c * P)
+            req.read_bytes += cb
+            self.counters["loaded_chunks"] += 1
+        if last > env.now:
+            yield last
+        return done
+
+    def reserve_store(self, req) -> None:
+        now = self.env.now
+        todo = []
+        for c in range(req.full_blocks // self.per_chunk):
+            key = self._ckey(req, c)
+            seg = self.pool.put_start(key, now)
+            if seg is None:
+                continue  # stored already (or in flight)
+            self.counters["inserts"] += 1
+            if seg < 0:
+                self.counters["insert_no_space"] += 1
+                req.skipped_inserts += 1
+                continue
+            todo.append((key, seg))
+        if todo:
+            self._stores[req.rid] = todo
+
+    def store(self, req):
+        todo = self._stores.pop(req.rid, None)
+        if not todo:
+            return
+        env, staging, cb, pool = self.env, self.host.staging, self.chunk_bytes, self.pool
+        deadline = env.now + self.insert_timeout_ns
+        for i, (key, seg) in enumerate(todo):
+            ok = yield from staging.take(cb, deadline)
+            if not ok:  # the transfer buffer stayed full past the insert timeout: this and the rest are dropped
+                for k, _ in todo[i:]:
+                    pool.put_revoke(k)
+                self.counters["insert_buffer_timeouts"] += len(todo) - i
+                req.skipped_inserts += len(todo) - i
+                return
+            copied = self.host.d2h.transfer(env.now, cb)  # out of the GPU into the slot (wait_for_save)
+            if copied > env.now:
+                yield copied
+            landed = self._write_arrival(seg, env.now, cb)
+            env.call_at(landed, lambda: staging.give(cb))
+            if landed > deadline:  # the put misses its timeout: dropped, the chain breaks at this chunk
+                env.call_at(deadline, lambda k=key: pool.put_revoke(k))
+                self.counters["insert_late"] += 1
+                req.skipped_inserts += 1
+            else:
+                env.call_at(landed, lambda k=key: pool.put_end(k))
+                self.counters["inserted"] += 1
+                req.write_bytes += cb
+
+    def describe(self) -> dict:
+        return {"tier": self.name, "chunk_blocks": self.per_chunk, "capacity_chunks": self.pool.capacity_chunks,
+                "chunks": len(self.pool.objects), "segments_used": list(self.pool.seg_used),
+                **self.pool.counters, **self.counters}
 
 
 # ---------------------------------------------------------------------------------------- HyMCache
@@ -300,7 +591,7 @@ class HyMCacheTier(RemoteTier):
     name = "hymcache"
 
     def __init__(self, env: Env, host: Host, block_bytes: int, cfg, *, window_bytes: int, timeout_s: float,
-                 prefetch: bool = True, name: str | None = None):
+                 prefetch: bool = True, name: str | None = None, peer: "HyMCacheTier | None" = None):
         from emulator.controller import Controller
         from host_runtime.hymcache.clock import ManualClock
         from host_runtime.hymcache.manager import FIRST_POLL_S
@@ -309,13 +600,17 @@ class HyMCacheTier(RemoteTier):
         super().__init__(env, host, block_bytes)
         if name:
             self.name = name
+        self.timeout_ns = timeout_s * NS
+        if peer is not None:  # another prefill node of the same deployment: one Master, Manager and device
+            for a in self._SHARED:
+                setattr(self, a, getattr(peer, a))
+            return
         self.cfg, self.prefetch = cfg, prefetch
         self.ctl = Controller(cfg, None)
         self.dev = ControllerDevice(self.ctl, env)
         self.clock = ManualClock()
         self.master = Master(self.clock)
         self.manager = sim_manager(0, [self.dev], self.master, self.clock, window_bytes=window_bytes)
-        self.timeout_ns = timeout_s * NS
         self.poll_ns = FIRST_POLL_S * NS
         self.poll_max_ns = 1e-3 * NS  # ManagerClient's default poll_s
         self.refusal_ns = 2 * cfg.host_link.latency_ns  # a refused write costs one round trip
@@ -324,6 +619,9 @@ class HyMCacheTier(RemoteTier):
         self._stores: dict[str, tuple[list, list[float]]] = {}
         self.counters = dict.fromkeys(("hinted_blocks", "loaded_blocks", "timeouts", "load_errors", "put_blocks",
                                        "written_blocks", "refused_writes", "staging_skips", "put_no_space"), 0)
+
+    _SHARED = ("cfg", "prefetch", "ctl", "dev", "clock", "master", "manager", "poll_ns", "poll_max_ns", "refusal_ns",
+               "_keys", "_hinted", "_stores", "counters", "name")
 
     def _sync(self) -> float:
         self.clock.t = self.env.now / NS  # the simulation owns this clock
@@ -337,11 +635,18 @@ class HyMCacheTier(RemoteTier):
             ks.append(struct.pack("<QQ", conv + 1, len(ks)))
         return ks[:n]
 
+    def req_keys(self, req, n: int) -> list[bytes]:
+        """A request's first ``n`` block keys: the shared prefix's (owner -1) then its conversation's."""
+        shared = min(n, req.shared_blocks)
+        if not shared:
+            return self.keys(req.conv, n)
+        return self.keys(-1, shared) + self.keys(req.conv, n)[shared:]
+
     def lookup(self, req) -> int:
         first, last = req.gpu_hit, req.lookup_blocks
         if last <= first:
             return 0
-        keys = self.keys(req.conv, last)[first:]
+        keys = self.req_keys(req, last)[first:]
         self._sync()
         if self.prefetch:
             n = self.manager.hint(req.rid, keys)
@@ -357,7 +662,7 @@ class HyMCacheTier(RemoteTier):
         env, staging, B = self.env, self.host.staging, self.block_bytes
         start = env.now
         deadline = start + self.timeout_ns
-        keys = self.keys(req.conv, req.gpu_hit + n)[req.gpu_hit:]
+        keys = self.req_keys(req, req.gpu_hit + n)[req.gpu_hit:]
         locs = None if self.prefetch else self.master.lookup(keys)  # demand reads: where each block is
         done, last = 0, start
         for i, key in enumerate(keys):
@@ -407,6 +712,7 @@ class HyMCacheTier(RemoteTier):
         if ready > env.now:
             yield ready
         finish = self.ctl.read(token.offset, token.length, self.dev._now())
+        finish = max(finish, rdma(None, self.host.kv_nic, env.now, token.length))  # this node's port
         yield finish
         self._sync()
         manager.release(req.rid, key)
@@ -418,6 +724,7 @@ class HyMCacheTier(RemoteTier):
             return False
         loc = locs[i]
         finish = self.ctl.read(loc.offset, loc.length, self.dev._now())
+        finish = max(finish, rdma(None, self.host.kv_nic, self.env.now, loc.length))
         if finish > self.env.now + self.timeout_ns:
             yield self.env.now + self.timeout_ns
             self._fail(req, True)
@@ -438,7 +745,7 @@ class HyMCacheTier(RemoteTier):
             self.manager.finish(req.rid)
 
     def reserve_store(self, req) -> None:
-        keys = self.keys(req.conv, req.full_blocks)
+        keys = self.req_keys(req, req.full_blocks)
         if not keys:
             return
         self._sync()
@@ -484,6 +791,7 @@ class HyMCacheTier(RemoteTier):
             else:
                 written.append(loc.key)
                 req.write_bytes += loc.length
+                finish = max(finish, rdma(self.host.kv_nic, None, env.now, loc.length))  # this node's port
             yield finish
             self.host.staging.give(B)
         self._sync()

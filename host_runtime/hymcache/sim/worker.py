@@ -35,16 +35,21 @@ class Request:
     __slots__ = ("rid", "conv", "turn", "input", "max_tokens", "full_blocks", "lookup_blocks", "reusable_blocks",
                  "gpu_hit", "remote_hit", "loaded", "computed", "generated", "looked_up", "alloc_blocks",
                  "cached", "arrival", "first_token", "finish", "done", "read_bytes", "write_bytes",
-                 "skipped_inserts", "timeouts", "new_load", "computed_tokens")
+                 "skipped_inserts", "timeouts", "new_load", "computed_tokens", "shared_blocks", "worker",
+                 "decode_tokens", "decoded", "prefill_done", "kv_arrived", "decode_blocks")
 
-    def __init__(self, turn, tokens_per_block: int, max_tokens: int, done):
+    def __init__(self, turn, tokens_per_block: int, max_tokens: int, done, decode_tokens: int = 0):
         self.rid = f"c{turn.conversation}-t{turn.turn}"
         self.conv, self.turn = turn.conversation, turn.turn
         self.input, self.max_tokens = turn.input_tokens, max_tokens
         self.full_blocks = turn.input_tokens // tokens_per_block
         self.lookup_blocks = (turn.input_tokens - 1) // tokens_per_block
-        # blocks an earlier request computed: the previous turn's full input blocks
-        self.reusable_blocks = min(turn.prev_input_tokens // tokens_per_block, self.lookup_blocks)
+        # blocks of a shared prefix (every conversation's first tokens): keyed alike across conversations
+        self.shared_blocks = getattr(turn, "shared_tokens", 0) // tokens_per_block
+        self.worker = getattr(turn, "worker", 0)
+        # blocks an earlier request computed: the previous turn's full input blocks (and the shared prefix)
+        self.reusable_blocks = min(max(turn.prev_input_tokens // tokens_per_block, self.shared_blocks),
+                                   self.lookup_blocks)
         self.gpu_hit = self.remote_hit = self.loaded = self.computed = self.generated = 0
         self.looked_up = False
         self.alloc_blocks = 0
@@ -54,15 +59,26 @@ class Request:
         self.read_bytes = self.write_bytes = self.skipped_inserts = self.timeouts = 0
         self.new_load = 0
         self.computed_tokens = 0  # prefill tokens the GPU computed for it
+        # PD: tokens the decode worker generates after the prefill worker's first one (0: no decode stage)
+        self.decode_tokens, self.decoded, self.decode_blocks = decode_tokens, 0, 0
+        self.prefill_done = self.kv_arrived = 0.0
+
+    def owner(self, i: int) -> int:
+        """Whose block ``i`` is: -1 for the shared prefix (the same key in every conversation), else the conversation."""
+        return -1 if i < self.shared_blocks else self.conv
 
     def gpu_key(self, i: int) -> int:
-        return (self.conv << 24) | i
+        return ((self.owner(i) + 1) << 24) | i
 
 
 class Worker:
     def __init__(self, env: Env, step_model, gpu_cache, tier, *, tokens_per_block: int, max_num_batched_tokens: int,
-                 max_num_seqs: int):
+                 max_num_seqs: int, handoff=None):
         self.env, self.step_model, self.gpu, self.tier = env, step_model, gpu_cache, tier
+        # PD prefill: ``handoff(req, release)`` takes a request whose prefill is done; its GPU blocks stay held
+        # until ``release()`` (the decode worker has pulled its KV), as vLLM's P/D connectors delay the free
+        self.handoff = handoff
+        self.handed = 0
         self.B = tokens_per_block
         self.budget, self.max_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -75,6 +91,9 @@ class Worker:
     def submit(self, req: Request) -> None:
         req.arrival = self.env.now
         self.waiting.append(req)
+        self._wakeup()
+
+    def _wakeup(self) -> None:
         if self._wake is not None:
             wake, self._wake = self._wake, None
             wake.succeed()
@@ -108,7 +127,7 @@ class Worker:
                 blocks = -(-(r.input + r.max_tokens) // B)
                 hit = [r.gpu_key(i) for i in range(r.gpu_hit)]
                 if not gpu.allocate(hit, blocks - r.gpu_hit):
-                    if not self.running:
+                    if not self.running and not self.handed:
                         raise ValueError(f"request {r.rid} needs {blocks} KV blocks; the GPU's KV cache holds "
                                          f"{gpu.capacity} (raise gpu_memory_utilization or use a smaller model)")
                     break
@@ -179,23 +198,113 @@ class Worker:
 
     def _finish(self, r: Request) -> None:
         self.running.remove(r)
-        self.gpu.free(r.cached, r.alloc_blocks - len(r.cached))
         self.tier.finish(r)
+        if self.handoff is not None:  # PD: the decode worker takes it; the blocks stay until it has the KV
+            r.prefill_done = self.env.now
+            self.handed += 1
+            self.handoff(r, lambda: self._release(r))
+            return
+        self.gpu.free(r.cached, r.alloc_blocks - len(r.cached))
         r.finish = self.env.now
         r.done.succeed(r)
 
+    def _release(self, r: Request) -> None:
+        self.handed -= 1
+        self.gpu.free(r.cached, r.alloc_blocks - len(r.cached))
+        self._wakeup()
 
-def client(env: Env, turns, worker: Worker, *, concurrency: int, tokens_per_block: int, max_tokens: int,
-           on_turn_start, on_done):
-    """Turn by turn, a barrier between turns; each turn's requests in order, ``concurrency`` in flight."""
+
+class DecodeWorker:
+    """The PD decode worker (vLLM with a P/D connector, decode side): a request whose prefill is done waits
+    here FIFO; it is admitted when ``max_num_seqs`` and the GPU's KV cache (its prompt + ``decode_tokens``)
+    allow, then its KV is pulled from the prefill worker (``pull(req)``: a process over the P->D links; the
+    prefill worker frees its blocks when it lands); it joins the decode batch once its KV is in. Every step
+    decodes one token of every running request (``StepModel``: memory-bound); the first decoded token is
+    the client's first token (TTFT), the last one ends the request."""
+
+    def __init__(self, env: Env, step_model, capacity_blocks: int, *, tokens_per_block: int, max_num_seqs: int,
+                 pull):
+        self.env, self.step_model, self.capacity = env, step_model, capacity_blocks
+        self.B, self.max_seqs, self.pull = tokens_per_block, max_num_seqs, pull
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.arriving = 0
+        self.used = 0
+        self.peak_used = 0
+        self.steps = 0
+        self.busy_ns = 0.0
+        self._wake = None
+
+    def submit(self, req: Request) -> None:
+        self.waiting.append(req)
+        self._wakeup()
+
+    def _wakeup(self) -> None:
+        if self._wake is not None:
+            wake, self._wake = self._wake, None
+            wake.succeed()
+
+    def _pull(self, r: Request):
+        yield from self.pull(r)
+        r.kv_arrived = self.env.now
+        self.arriving -= 1
+        self.running.append(r)
+        self._wakeup()
+
+    def run(self):
+        env, B = self.env, self.B
+        while True:
+            while self.waiting and len(self.running) + self.arriving < self.max_seqs:
+                r = self.waiting[0]
+                blocks = -(-(r.input + r.decode_tokens) // B)
+                if self.used + blocks > self.capacity:
+                    if not self.running and not self.arriving:
+                        raise ValueError(f"request {r.rid} needs {blocks} KV blocks; the decode worker's KV cache "
+                                         f"holds {self.capacity}")
+                    break
+                self.waiting.popleft()
+                self.used += blocks
+                self.peak_used = max(self.peak_used, self.used)
+                r.decode_blocks = blocks
+                self.arriving += 1
+                env.process(self._pull(r))
+            if not self.running:
+                self._wake = env.event()
+                yield self._wake
+                continue
+            t0 = env.now
+            batch = list(self.running)
+            yield env.now + self.step_model.step_ns([(r.input + r.decoded, 1) for r in batch])
+            self.steps += 1
+            self.busy_ns += env.now - t0
+            now = env.now
+            for r in batch:
+                r.decoded += 1
+                if r.decoded == 1:
+                    r.first_token = now
+                if r.decoded >= r.decode_tokens:
+                    self.running.remove(r)
+                    self.used -= r.decode_blocks
+                    r.finish = now
+                    r.done.succeed(r)
+
+
+def client(env: Env, turns, workers, *, concurrency: int, tokens_per_block: int, max_tokens: int,
+           on_turn_start, on_done, decode_tokens: int = 0):
+    """Turn by turn, a barrier between turns; each turn's requests in order, ``concurrency`` in flight.
+    ``workers``: one worker, or the prefill workers (a request goes to its conversation's, ``Turn.worker``).
+    ``decode_tokens``: PD: the prefill worker computes the prompt (``max_tokens`` 1), the decode worker
+    the rest."""
+    if not isinstance(workers, (list, tuple)):
+        workers = [workers]
     for t, batch in enumerate(turns, 1):
         on_turn_start(t, env.now)
         queue = deque(batch)
 
         def slot():
             while queue:
-                req = Request(queue.popleft(), tokens_per_block, max_tokens, env.event())
-                worker.submit(req)
+                req = Request(queue.popleft(), tokens_per_block, max_tokens, env.event(), decode_tokens)
+                workers[req.worker % len(workers)].submit(req)
                 yield req.done
                 on_done(req)
 

@@ -1,4 +1,7 @@
-"""Multi-turn chat with LMSYS-Chat-1M statistics, as the paper's Fig. 13 runs it.
+"""Multi-turn workloads: chat with LMSYS-Chat-1M statistics (Fig. 13) and AIPerf-style synthetic
+conversations (Fig. 10, 12).
+
+LMSYS-style chat (``conversations``):
 
 Token statistics are the replayer's ``ConversationGenerator``'s (``replay/traces.py``): its defaults
 are LMSYS-Chat-1M's 69.5 prompt and 214.5 response tokens per turn (Zheng et al., 2023, Table 1),
@@ -40,6 +43,8 @@ class Turn:
     turn: int              # 1-based
     input_tokens: int      # the whole history sent this turn
     prev_input_tokens: int  # the previous turn's input (its KV was computed then); 0 on turn 1
+    shared_tokens: int = 0  # the first tokens are a prefix every conversation shares (AIPerf's prefix prompt)
+    worker: int = 0         # the prefill worker the router sends the conversation to
 
 
 def conversations(n: int, turns: int, *, mean_prompt_tokens: float = LMSYS_PROMPT_TOKENS,
@@ -59,3 +64,49 @@ def conversations(n: int, turns: int, *, mean_prompt_tokens: float = LMSYS_PROMP
             prev = history
             history += tokens(mean_response_tokens)
     return by_turn
+
+
+def aiperf_conversations(n: int, turns: int, *, input_tokens: float, input_tokens_stddev: float = 0.0,
+                         output_tokens: int, prefix_ratio: float = 0.0, prefill_workers: int = 1,
+                         seed: int = 0) -> list[list[Turn]]:
+    """AIPerf-style synthetic multi-turn conversations (``aiperf profile --conversation-num N
+    --conversation-turn-mean T --synthetic-input-tokens-mean ISL --synthetic-input-tokens-stddev S
+    --output-tokens-mean OSL``), as AIPerf's default context mode for synthetic data
+    (``deltas_without_responses``) replays them: turn t sends the whole history -- every earlier
+    user delta and the model's live answers (``output_tokens`` each) -- and its own ISL tokens.
+
+    * every turn's user delta: ``round(normal(ISL, S))`` tokens, at least 1 (AIPerf's synthetic
+      prompt generator draws its length this way);
+    * ``prefix_ratio``: the first ``round(prefix_ratio x ISL)`` tokens of every conversation's first turn
+      are one prefix prompt all conversations share (AIPerf's ``--prompt-prefix-pool-size 1
+      --prompt-prefix-length L`` with ``L = prefix_ratio x ISL``, counted inside the ISL);
+    * ``prefill_workers``: the router's session affinity: conversation c goes to prefill worker
+      ``c % prefill_workers`` every turn (a per-worker cache can only serve its own conversations).
+    """
+    if not 0.0 <= prefix_ratio <= 1.0:
+        raise ValueError(f"prefix_ratio = {prefix_ratio} must be in [0, 1]")
+    rng = random.Random(seed)
+    shared = int(round(prefix_ratio * input_tokens))
+
+    def delta() -> int:
+        if input_tokens_stddev <= 0:
+            return max(1, int(round(input_tokens)))
+        return max(1, int(round(rng.gauss(input_tokens, input_tokens_stddev))))
+
+    by_turn: list[list[Turn]] = [[] for _ in range(turns)]
+    for c in range(n):
+        history = prev = 0
+        for t in range(1, turns + 1):
+            d = delta()
+            if t == 1:
+                d = max(d, shared + 1)  # the shared prefix sits inside the first turn's input
+            history += d
+            by_turn[t - 1].append(Turn(c, t, history, prev, shared, c % prefill_workers))
+            prev = history
+            history += output_tokens
+    return by_turn
+
+
+def reusable_footprint_bytes(turns: list[list[Turn]], bytes_per_token: int) -> int:
+    """KV the last turn can reuse: the previous turn's inputs (what a tier must hold for the last turn to hit)."""
+    return sum(t.input_tokens for t in turns[-2]) * bytes_per_token if len(turns) > 1 else 0
