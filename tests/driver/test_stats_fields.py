@@ -7,7 +7,7 @@ from driver import wire
 from driver.wire import STATS_COUNTERS, STATS_GAUGES
 from emulator import Device
 
-from .serving import Server, compile_c
+from tests.emulator.serve.serving import Server, compile_c
 
 READER = r"""
 #include <stdio.h>

@@ -25,7 +25,7 @@ from emulator.policies.fifo import FifoOrder
 from emulator.serve import server as server_mod
 from emulator.serve.server import DeviceServer
 from tests.driver.rawclient import RawClient
-from tests.driver.serving import unique_node
+from tests.emulator.serve.serving import unique_node
 
 from .conftest import KiB, TINY
 

@@ -3,7 +3,7 @@
 import pytest
 
 from libchm import Device
-from tests.driver.serving import Server
+from tests.emulator.serve.serving import Server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from driver.wire import ffi as wire_ffi
 from driver.wire import lib as wire_lib
 from libchm import ChmError, Device, WriteBufferFull, ffi, lib
-from tests.driver.serving import ROOT, Server, compile_c
+from tests.emulator.serve.serving import ROOT, Server, compile_c
 
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20

@@ -10,7 +10,7 @@ import libchm
 from emulator import Device as InProcessDevice
 from libchm import ChmError, Device, WriteBufferFull
 from libchm import ffi, lib
-from tests.driver.serving import Server, unique_node
+from tests.emulator.serve.serving import Server, unique_node
 
 # A device whose write buffer fills fast and is flushed only when full, by SSDs so slow (seconds of
 # modelled time per batch) that the wall time the device idles between our calls never empties it.
@@ -210,7 +210,7 @@ def test_public_header_stands_alone(tmp_path):
     """chm.h compiles by itself as strict C99 and as C++, and exposes no wire internals."""
     import subprocess
 
-    from tests.driver.serving import LIBCHM
+    from tests.emulator.serve.serving import LIBCHM
 
     src = tmp_path / "use.c"
     src.write_text("#include <chm.h>\nint main(void) { chm_dev *d = 0; return chm_open(0, &d) == -ENODEV ? 0 : 1; }\n")

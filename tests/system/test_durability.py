@@ -16,7 +16,7 @@ import pytest
 
 from emulator.config import load_profile
 from libchm import ChmError, Device
-from tests.driver.serving import Server
+from tests.emulator.serve.serving import Server
 from tests.emulator.media_trouble import DEVICE_WRITE_BYTES, FAULT_OVERRIDES, HOLD_WRITES, MODES, MediaTrouble, read_media
 
 CFG = load_profile("small")

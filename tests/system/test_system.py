@@ -13,7 +13,7 @@ from pathlib import Path
 from emulator.config import load_profile
 from emulator.ssd import locate, media_file
 from libchm import Device
-from tests.driver.serving import LIBCHM, ROOT, Server, compile_c
+from tests.emulator.serve.serving import LIBCHM, ROOT, Server, compile_c
 
 HERE = Path(__file__).parent
 

@@ -14,7 +14,7 @@ import time
 
 import xxhash
 
-from tests.driver.serving import ROOT
+from tests.emulator.serve.serving import ROOT
 
 CHM = os.path.join(os.path.dirname(sys.executable), "chm")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.driver.serving import ROOT, Server, unique_node
+from tests.emulator.serve.serving import ROOT, Server, unique_node
 
 from .procs import CHM, free_port, manager_proc, master_proc, stop_proc, store_raw
 

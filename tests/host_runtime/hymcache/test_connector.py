@@ -26,7 +26,7 @@ from host_runtime.hymcache.engine import PagedEngine
 from host_runtime.hymcache.keys import block_keys
 from host_runtime.hymcache.manager import KVManager, ManagerClient, serve_manager
 from host_runtime.hymcache.master import Master, MasterClient
-from tests.driver.serving import ROOT, Server
+from tests.emulator.serve.serving import ROOT, Server
 
 BS = 16
 BLOCK_BYTES = 30 * 2 * BS * 3 * 64 * 4  # SmolLM2: 30 layers x (k, v) x 16 tokens x 3 KV heads x 64 x float32

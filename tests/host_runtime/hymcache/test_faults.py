@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from tests.driver.serving import ROOT, Server
+from tests.emulator.serve.serving import ROOT, Server
 
 from .procs import (Worker, free_port, kill9, manager_proc, master_proc, prompt_tokens, random_keys, stop_proc,
                     tiny_model)

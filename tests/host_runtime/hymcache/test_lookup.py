@@ -188,7 +188,7 @@ def test_inputs_are_checked_and_named():
 # ---- the real pieces: a Master process, two nodes' Managers, over ZeroMQ ---------------------------
 @pytest.fixture
 def two_nodes(tmp_path):
-    from tests.driver.serving import Server
+    from tests.emulator.serve.serving import Server
     from tests.host_runtime.hymcache.test_manager import spawn
 
     master_proc, master_ep = spawn(["-m", "host_runtime.hymcache.master", "--endpoint", "tcp://127.0.0.1:0"],

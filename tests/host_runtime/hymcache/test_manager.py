@@ -21,7 +21,7 @@ from host_runtime.hymcache.clock import ManualClock, WallClock
 from host_runtime.hymcache.manager import KVManager, ManagerClient, measure_block_paths, serve_manager
 from host_runtime.hymcache.master import Master, MasterClient
 from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
-from tests.driver.serving import ROOT, Server
+from tests.emulator.serve.serving import ROOT, Server
 from tests.emulator.media_trouble import DEVICE_WRITE_BYTES, FAULT_OVERRIDES, HOLD_WRITES
 
 PAGE = 64 << 10

@@ -11,7 +11,7 @@ import pytest
 
 from driver.wire import NodeError, ffi, lib, node_path, read_node
 from tests.driver.rawclient import RawClient
-from tests.driver.serving import Server, unique_node
+from tests.emulator.serve.serving import Server, unique_node
 
 
 @pytest.fixture

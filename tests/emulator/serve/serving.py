@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHM = Path(sys.executable).parent / "chm"
 LIBCHM = ROOT / "libchm"
 _counter = itertools.count()
@@ -44,7 +44,7 @@ class Server:
         self.media = media
         self.args = args
         # `python -m emulator.serve` is `chm serve` without loading every other subcommand (faster start);
-        # tests/driver/test_cli.py runs the `chm` command itself.
+        # tests/emulator/serve/test_cli.py runs the `chm` command itself.
         self.cmd = [sys.executable, "-m", "emulator.serve", "--node", self.node, "--media", str(media), *args]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         self.banner = ""

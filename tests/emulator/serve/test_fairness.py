@@ -11,7 +11,7 @@ from driver.wire import lib
 from emulator.config import load_profile
 from emulator.controller import Controller
 from tests.driver.rawclient import RawClient
-from tests.driver.serving import Server
+from tests.emulator.serve.serving import Server
 
 MiB = 1 << 20
 BIG = 128 * MiB

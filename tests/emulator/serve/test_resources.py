@@ -17,7 +17,7 @@ import pytest
 
 from driver.wire import ffi, lib
 from tests.driver.rawclient import RawClient
-from tests.driver.serving import ROOT, Server, unique_node
+from tests.emulator.serve.serving import ROOT, Server, unique_node
 
 FLOOD = 150
 MAX_PENDING_ATTACHES = 64  # emulator/serve/server.py; restated here as the number this test holds the device to

@@ -11,7 +11,7 @@ import pytest
 
 from driver.wire import lib, read_node
 from tests.driver.rawclient import RawClient
-from tests.driver.serving import Server
+from tests.emulator.serve.serving import Server
 
 PAGE = 64 << 10
 WINDOW_PAGES = 1024

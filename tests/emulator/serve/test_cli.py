@@ -6,7 +6,7 @@ import subprocess
 
 from emulator.cli import main as chm_main
 from libchm import Device
-from tests.driver.serving import CHM, Server, unique_node
+from tests.emulator.serve.serving import CHM, Server, unique_node
 
 
 def chm(capsys, *args: str) -> tuple[int, str, str]:

@@ -11,7 +11,7 @@ import pytest
 
 from driver.wire import ffi
 from emulator.media import META_NAME
-from tests.driver.serving import ROOT, Server, unique_node
+from tests.emulator.serve.serving import ROOT, Server, unique_node
 from tests.emulator.media_trouble import read_only_dir
 
 
