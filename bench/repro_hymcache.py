@@ -18,6 +18,10 @@ Experiments (all in virtual time on the emulator's controller, data off):
                    prefetch on vs off, for 1..8 clients (the paper: +37% with prefetch).
 * ``mooncake``  -- the Mooncake conversation trace, lru vs hymcache, paper profile, Llama-3.1-8B
                    blocks: per-window and whole-hour bandwidth and hit rate.
+* ``sim13``, ``sim10``, ``sim12`` -- the serving simulation's presets (``chm hymcache simulate --figure
+                   13 / 10 / 12``: Fig. 13 single node, Fig. 10 PD 4P-1D-1S, Fig. 12 its staging sweep),
+                   every tier of the preset; the table as the command prints it, JSON and PNG to
+                   ``bench/results/sim/figN.{json,png}``.
 
 Every run is a fresh process, so its wall time and peak RSS are its own. Results (JSON + PNG)
 go to ``bench/results/replay/``.
@@ -256,7 +260,41 @@ def mooncake(window_s: float = 600) -> None:
     _save("mooncake_compare", results, "Mooncake conversation trace: lru vs hymcache (paper profile)")
 
 
-EXPERIMENTS = {"fig5": fig5, "hymcache": hymcache, "randread": randread, "mooncake": mooncake}
+SIM_OUT = ROOT / "bench" / "results" / "sim"
+
+
+def _sim(fig: str) -> None:
+    """``chm hymcache simulate --figure FIG --json ... --plot ...`` (the preset unchanged), in this process."""
+    from host_runtime.hymcache.sim.config import load_settings, preset_path
+    from host_runtime.hymcache.sim.report import plot, table
+    from host_runtime.hymcache.sim.run import simulate, write_json
+
+    s = load_settings(preset_path(fig))
+    title = f"Fig. {fig}: {s.get('figure.title', '')}"
+    print(f"== {title} ==")
+    result = simulate(s, progress=sys.stderr.isatty())
+    print("\n".join("  " + line for line in table(result).splitlines()))
+    print(f"  simulated {len(result['summary'])} run(s) in {result['wall_s']:.1f} s of wall time")
+    SIM_OUT.mkdir(parents=True, exist_ok=True)
+    write_json(result, str(SIM_OUT / f"fig{fig}.json"))
+    plot(result, str(SIM_OUT / f"fig{fig}.png"), title)
+    print(f"  wrote {SIM_OUT / f'fig{fig}'}.json and .png")
+
+
+def sim13() -> None:
+    _sim("13")
+
+
+def sim10() -> None:
+    _sim("10")
+
+
+def sim12() -> None:
+    _sim("12")
+
+
+EXPERIMENTS = {"fig5": fig5, "hymcache": hymcache, "randread": randread, "mooncake": mooncake,
+               "sim13": sim13, "sim10": sim10, "sim12": sim12}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,9 @@ How it is built:
   a prefill worker per conversation).
 * ``worker.py``: a vLLM-like worker (chunked prefill, prefix cache, the KV connector's synchronous
   loads and stores), the PD decode worker (admits by KV room, pulls the prompt's KV over the P->D
-  links, decodes; the prefill worker frees its blocks once pulled) and the client (turn by turn,
-  ``concurrency`` in flight).
+  links, decodes; the prefill worker frees its blocks once pulled) and the two clients
+  (``workload.client``: ``turn-barrier``, turn by turn with ``concurrency`` in flight; ``per-session``,
+  AIPerf's multi-turn mode: ``concurrency`` sessions, each sends its next turn once the previous is answered).
 * ``gpu.py``: step time from FLOPs and bytes on a GPU profile (``replay/prefill.py`` + ``gpus/``);
   ``gpucache.py``: vLLM's prefix cache (LRU of free blocks, tail first).
 * ``tiers.py``: the remote tiers behind one interface (``RemoteTier``): recompute, gpu-prefix,

@@ -19,6 +19,7 @@ examples:
   chm hymcache simulate --figure 10                     # PD 4P-1D-1S, Qwen2.5-32B, ~1.5 TB of reusable KV
   chm hymcache simulate --figure 12                     # Fig. 10's setup, staging 10-40 GB per node
   chm hymcache simulate --figure 10 --tiers mooncake-dram,hymcache --staging-sweep 10GiB,40GiB
+  chm hymcache simulate --figure 10 --client turn-barrier   # a barrier between turns instead of AIPerf's sessions
 """
 
 

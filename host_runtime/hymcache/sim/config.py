@@ -56,7 +56,13 @@ FIELDS = [
           "multi-turn", choices=("lmsys", "aiperf")),
     Field("workload.conversations", "int", 1, 1_000_000, "--conversations", "conversations (the workload's size)"),
     Field("workload.turns", "int", 1, 1000, "--turns", "turns per conversation"),
-    Field("workload.concurrency", "int", 1, 100_000, "--concurrency", "requests in flight (the client's limit)"),
+    Field("workload.concurrency", "int", 1, 100_000, "--concurrency",
+          "the client's limit: requests in flight (turn-barrier), sessions in flight (per-session)"),
+    Field("workload.client", "choice", flag="--client", help="turn-barrier: every conversation's turn t before any "
+          "turn t+1; per-session: AIPerf's multi-turn mode, each session sends its next turn when the previous one "
+          "is answered, no barrier", choices=("turn-barrier", "per-session")),
+    Field("workload.turn_delay_ms", "float", 0, 1e9, "--turn-delay-ms",
+          "per-session: delay before a conversation's next turn (AIPerf --conversation-turn-delay-mean, ms)"),
     Field("workload.max_tokens", "int", 1, 1_000_000, "--max-tokens", "tokens decoded per request"),
     Field("workload.mean_prompt_tokens", "float", 1, 1e6, "--mean-prompt-tokens", "mean user prompt per turn"),
     Field("workload.mean_response_tokens", "float", 1, 1e6, "--mean-response-tokens",

@@ -32,10 +32,11 @@ def table(result: dict) -> str:
         lines.append("  ".join(_cell(row[k], f, w) for _, k, w, f in columns))
     lines.append("")
     lines.append(f"{'tier':<{tw}}  {'makespan s':>10}  {'TTFT mean ms':>12}  {'TTFT p99 ms':>11}  {'skipped':>7}  "
-                 f"{'recomputed tok':>14}  {'sim wall s':>10}")
+                 f"{'recomputed tok':>14}  {'read GB/s loading':>17}  {'sim wall s':>10}")
     for name, sm in result["summary"].items():
         lines.append(f"{name:<{tw}}  {sm['makespan_s']:>10.1f}  {sm['ttft_mean_ms']:>12.0f}  {sm['ttft_p99_ms']:>11.0f}  "
-                     f"{sm['skipped_inserts']:>7d}  {sm['recomputed_tokens']:>14d}  {sm.get('wall_s', 0):>10.1f}")
+                     f"{sm['skipped_inserts']:>7d}  {sm['recomputed_tokens']:>14d}  {sm.get('read_gbps_loading', 0):>17.2f}  "
+                     f"{sm.get('wall_s', 0):>10.1f}")
     for name, x in result["speedups"].items():
         lines.append(f"speedup {name.replace('_', ' ')}: {x:.2f}x (makespan ratio)")
     w = result["workload"]

@@ -12,7 +12,9 @@ Definitions (issue #12):
   are reported beside it for every tier.
 * ``recomputed_tokens``: reusable prefix tokens neither in the GPU nor loaded, computed again.
 * ``read_gbps`` / ``write_gbps``: bytes the remote tier moved for the turn's requests over the
-  turn's span (first arrival to last finish).
+  turn's span (first arrival to last finish; with the per-session client the turns' spans overlap).
+  The summary's ``read_gbps_loading`` is every read byte over the time at least one worker was
+  loading (``loading_s``): the tier's read rate while it is being read, not diluted by compute.
 * ``skipped_inserts``: blocks offered to the remote tier and not stored (write buffer full, no
   staging room); they are offered again next turn.
 * ``ttft``: arrival at the worker to the first token; ``e2e``: arrival to the last token (the mean
@@ -33,7 +35,7 @@ from .gpu import StepModel, load_serving_gpu
 from .gpucache import GpuPrefixCache
 from .tiers import (GpuPrefixTier, HyMCacheTier, Host, LMCacheLocal, MooncakePool, MooncakeTier, Nic, RecomputeTier,
                     rdma)
-from .worker import DecodeWorker, Worker, client
+from .worker import DecodeWorker, Worker, client, session_client
 from .workload import aiperf_conversations, conversations, reusable_footprint_bytes
 
 ROW_FIELDS = ("tier", "turn", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "e2e_ms", "read_gbps", "write_gbps",
@@ -124,6 +126,19 @@ def make_turns(s: dict):
         import dataclasses
         turns = [[dataclasses.replace(t, worker=t.conversation % P) for t in batch] for batch in turns]
     return turns
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``spans`` (time during which at least one of them runs)."""
+    total, end = 0.0, -float("inf")
+    for a, b in sorted(spans):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -243,10 +258,15 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
         env.process(w.run())
     if decode is not None:
         env.process(decode.run())
-    c = env.process(client(env, turns, workers, concurrency=s["workload.concurrency"], tokens_per_block=B,
-                           max_tokens=1 if pd else s["workload.max_tokens"],
-                           decode_tokens=s["workload.max_tokens"] if pd else 0,
-                           on_turn_start=lambda t, now: stats.append(TurnStats(t, now)), on_done=on_done))
+    client_args = dict(concurrency=s["workload.concurrency"], tokens_per_block=B,
+                       max_tokens=1 if pd else s["workload.max_tokens"],
+                       decode_tokens=s["workload.max_tokens"] if pd else 0,
+                       on_turn_start=lambda t, now: stats.append(TurnStats(t, now)), on_done=on_done)
+    if s["workload.client"] == "per-session":
+        c = env.process(session_client(env, turns, workers, turn_delay_ns=s["workload.turn_delay_ms"] * 1e6,
+                                       **client_args))
+    else:
+        c = env.process(client(env, turns, workers, **client_args))
     while not c.done.fired:
         env.run()
         if not c.done.fired:
@@ -255,7 +275,9 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
     for row in rows:
         row["base_tier"], row["staging_bytes"] = name, s["tiers.staging"]
     ttft = [x for st in stats for x in st.ttft]
-    makespan = (stats[-1].end - stats[0].start) / 1e9 if stats else 0.0
+    read_bytes = sum(st.read_bytes for st in stats)
+    loading_ns = _union([span for w in workers for span in w.load_spans])
+    makespan = (max(st.end for st in stats) - stats[0].start) / 1e9 if stats else 0.0
     summary = {"tier": label, "makespan_s": makespan,
                "ttft_mean_ms": sum(ttft) / len(ttft) / 1e6 if ttft else 0.0,
                "ttft_p99_ms": _pct(ttft, 99) / 1e6,
@@ -264,6 +286,8 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
                "gpu_kv_blocks": capacity, "gpu_evictions": sum(c.evictions for c in caches),
                "steps": sum(w.steps for w in workers),
                "gpu_busy_s": sum(w.busy_ns for w in workers) / 1e9, "load_s": sum(w.load_ns for w in workers) / 1e9,
+               "loading_s": loading_ns / 1e9,
+               "read_gbps_loading": read_bytes / loading_ns if loading_ns > 0 else 0.0,
                "staging_peak_bytes": max(h.staging.peak for h in hosts),
                "staging_waits": sum(h.staging.waits for h in hosts),
                "staging_timeouts": sum(h.staging.timeouts for h in hosts),

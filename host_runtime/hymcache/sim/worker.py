@@ -19,9 +19,20 @@ Worker, one step at a time (``Worker.run``):
 Prefix lookups never include the prompt's last token (it must be computed to give the logits), as
 vLLM and the connector do: ``lookup_blocks = (input - 1) // tokens_per_block``.
 
-The client (``client``) runs the turns one after another (a barrier between turns, as the figure's
-per-turn rows are measured): each turn's requests, in conversation order, with at most
-``concurrency`` in flight.
+Two clients (``workload.client``):
+
+* ``turn-barrier`` (``client``): the turns one after another, a barrier between them; each turn's
+  requests in conversation order, at most ``concurrency`` in flight. Turn t of every conversation
+  is served before turn t + 1 of any: the reuse distance of a conversation's prefix is a whole
+  turn of every conversation (an LMSYS-style replay measured turn by turn, Fig. 13).
+* ``per-session`` (``session_client``): AIPerf's multi-turn mode -- ``concurrency`` sessions in
+  flight, each a conversation whose next turn is sent when its previous turn's response is in
+  (plus ``turn_delay``), no barrier across conversations; a session that ends takes the next
+  conversation (in conversation order). Source: AIPerf docs/tutorials/multi-turn.md, "Execution
+  Flow" (turn 1, wait for the response, the turn delay, turn 2 with the history, ...) and its
+  example (``--conversation-num 10 --concurrency 2``: "2 conversations will run concurrently").
+
+Both report per turn index (turn t's rows: every conversation's turn t, whenever it ran).
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ class Worker:
         self.steps = 0
         self.busy_ns = 0.0
         self.load_ns = 0.0
+        self.load_spans: list[tuple[float, float]] = []  # (start, end) of each step's connector loads
 
     def submit(self, req: Request) -> None:
         req.arrival = self.env.now
@@ -157,6 +169,8 @@ class Worker:
                 else:
                     tier.finish(r)  # nothing to load: the Manager forgets its hint now (update_state_after_alloc)
             self.load_ns += env.now - t0
+            if env.now > t0:
+                self.load_spans.append((t0, env.now))
             # what this step computes (positions may have moved back after a failed load)
             spans = []
             completing = []
@@ -311,3 +325,38 @@ def client(env: Env, turns, workers, *, concurrency: int, tokens_per_block: int,
         slots = [env.process(slot()) for _ in range(min(concurrency, len(batch)))]
         for s in slots:
             yield s.done
+
+
+def session_client(env: Env, turns, workers, *, concurrency: int, tokens_per_block: int, max_tokens: int,
+                   on_turn_start, on_done, decode_tokens: int = 0, turn_delay_ns: float = 0.0):
+    """AIPerf's multi-turn client (module docstring): ``concurrency`` sessions, each runs one conversation's
+    turns back to back -- turn k + 1 is submitted ``turn_delay_ns`` after turn k's last token -- then takes the
+    next conversation. ``turns[t - 1]``: turn t of every conversation (as ``client``); ``on_turn_start(t, now)``
+    fires when the first request of turn t is submitted (turn indices start in order: a conversation's turn
+    t + 1 follows its turn t)."""
+    if not isinstance(workers, (list, tuple)):
+        workers = [workers]
+    by_conv: dict[int, list] = {}
+    for batch in turns:
+        for turn in batch:
+            by_conv.setdefault(turn.conversation, []).append(turn)
+    queue = deque(by_conv[c] for c in sorted(by_conv))
+    started: set[int] = set()
+
+    def session():
+        while queue:
+            conv = queue.popleft()
+            for k, turn in enumerate(conv):
+                if k and turn_delay_ns > 0:
+                    yield env.now + turn_delay_ns
+                if turn.turn not in started:
+                    started.add(turn.turn)
+                    on_turn_start(turn.turn, env.now)
+                req = Request(turn, tokens_per_block, max_tokens, env.event(), decode_tokens)
+                workers[req.worker % len(workers)].submit(req)
+                yield req.done
+                on_done(req)
+
+    sessions = [env.process(session()) for _ in range(min(concurrency, len(queue)))]
+    for s in sessions:
+        yield s.done

@@ -165,10 +165,11 @@ def test_pd_links_are_shared_fifo_pipes():
 
 
 def pd_small(**over) -> dict:
-    """The Fig. 10 preset, shrunk."""
+    """The Fig. 10 preset, shrunk, with the turn-barrier client: every conversation's history between two of its
+    turns, so the remote tier (not the GPU cache) serves the reuse (the clients: test_sim_client.py)."""
     s = load_settings(preset_path(10))
     s.update({"workload.conversations": 16, "workload.turns": 3, "workload.concurrency": 8,
-              "workload.max_tokens": 8, "workload.input_tokens": 300.0})
+              "workload.max_tokens": 8, "workload.input_tokens": 300.0, "workload.client": "turn-barrier"})
     s.update(over)
     return s
 
