@@ -62,6 +62,12 @@ REOPEN_INTERVAL_S = 1.0        # per device: reopen a gone one / look whether a 
 MANAGER_METHODS = ("hint", "acquire", "read", "write", "release", "finish", "touch", "progress", "stats", "devices")
 
 
+def window_blocks(window_bytes: int, block_bytes: int) -> int:
+    """Blocks one request keeps staged (prefetched ahead of consumption): the window's worth of blocks,
+    never fewer than MIN_WINDOW_BLOCKS. The replayer and the serving simulation use the same rule."""
+    return max(MIN_WINDOW_BLOCKS, window_bytes // block_bytes)
+
+
 def _check_request_id(request_id) -> str:
     if not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_REQUEST_ID:
         raise ChmError(errno.EINVAL, f"request_id {request_id!r} must be a str of 1 to {MAX_REQUEST_ID} characters")
@@ -349,7 +355,7 @@ class KVManager:
             if loc.key in req.by_key:
                 continue
             if not req.blocks:  # the window in blocks follows the request's block size
-                req.window = max(MIN_WINDOW_BLOCKS, self.window_bytes // loc.length)
+                req.window = window_blocks(self.window_bytes, loc.length)
             block = _Block(loc, self.infos[loc.device].epoch)
             req.blocks.append(block)
             req.by_key[loc.key] = block

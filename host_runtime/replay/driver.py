@@ -12,12 +12,23 @@ event, so idle spans cost nothing and replay cost follows the accesses.
 
 How a request uses the device (its ``keys`` are the KV blocks of its context):
 
-* a host-side index (the HyMCache Master's role) knows which blocks are
-  stored and where; the request reads the longest stored prefix of its chain
-  (a block is useless without its predecessors) and writes the rest;
+* the host side is the HyMCache runtime's own ``Master`` (host_runtime/hymcache/master.py), in process
+  on the replay's virtual clock, with one node of one device (the Controller's capacity): it knows which
+  blocks are stored and where (``master_key``: a replay key as the Master's 16-byte key). A request looks
+  up its chain (the longest stored, complete prefix: a block is useless without its predecessors; the
+  blocks found get read leases) and reads it; it asks ``put_start`` for the rest in one batch (the
+  Master's placement gives each new block its address; None for a block stored or in flight), writes
+  those, then ``put_end``s the written ones and ``put_revoke``s the refused ones. The Master evicts by
+  its own rule (the least recently used complete, unleased blocks, from its high watermark down to its
+  low one: ``master_options``) and expires leases and unfinished puts on the virtual clock: a read lease
+  keeps a block from eviction for ``lease_s`` of virtual time (renewed up to ``lease_max_s``), so in a
+  trace compressed to less than that, blocks read stay unevictable for the rest of the run and a put the
+  Master cannot make room for fails whole (ENOSPC: not written, ``master.no_space_puts``); a put not
+  ended within ``put_timeout_s`` is revoked (``master.put_timeouts``);
 * ``lru``: demand reads of each block in prefix order, then writes;
 * ``hymcache``: prefix blocks are prefetched in consumption order with at most
-  ``window_blocks`` in flight per request (EBUSY from the device-wide window:
+  ``window_blocks`` in flight per request (the KV Manager's window rule: ``window_blocks``;
+  EBUSY from the device-wide window:
   retry after the next release, or read on demand if the request holds none);
   each is waited for, read, released. New blocks are offered to the write
   buffer and skipped (counted, not stored) when refused;
@@ -42,8 +53,9 @@ does not serve is not free: the GPU recomputes its KV. Per request, when it look
   never counted;
 * ``recomputed_blocks`` = reusable positions minus the blocks read from the device (the read positions are
   a prefix of the reusable ones: what is stored was written by an earlier request). Everything the replay
-  leaves unread counts: an earlier write the device refused, a block the host index forgot to make room, a
-  block stored after a gap in the chain (not read: the replay, like a prefix cache, reads only the
+  leaves unread counts: an earlier write the device refused, a block the Master evicted to make room (or
+  could not place: ENOSPC), a block another request is still writing (not visible before its ``put_end``),
+  a block stored after a gap in the chain (not read: the replay, like a prefix cache, reads only the
   unbroken prefix);
 * ``recompute_s`` = the modelled prefill time of those blocks, each at its position in the context (its
   tokens attend to the whole prefix before it), on the GPU profile's FLOP/s; charged to the row of the
@@ -57,7 +69,7 @@ does not serve is not free: the GPU recomputes its KV. Per request, when it look
 Why this is fair between variants: the reusable set depends only on the workload's request order, not on
 what a variant stored, and every variant faces the same lookups (the microbenchmark's barrier makes the
 order identical; a trace's order is its timestamps). ``lru`` never refuses, so its recomputation comes only
-from host-index evictions and overlap; ``hymcache``'s also from refused writes -- its reads look fast
+from the Master's evictions and overlap; ``hymcache``'s also from refused writes -- its reads look fast
 because it reads less, and ``serve_s`` puts the unread blocks back on the bill. The new blocks of a turn
 (written, or offered and refused) cost the same GPU time under every variant and are not counted.
 """
@@ -70,7 +82,6 @@ import math
 import resource
 import time
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -79,8 +90,11 @@ from tqdm import tqdm
 from emulator.config import Config, load_profile
 from emulator.controller import Controller
 from emulator.errors import ChmError, WriteBufferFull
+from host_runtime.hymcache.clock import ManualClock
+from host_runtime.hymcache.manager import WINDOW_BYTES, window_blocks
+from host_runtime.hymcache.master import MAX_BATCH, Master
+from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
 
-from .models import MiB
 from .prefill import PrefillModel, prefill_for_block
 from .traces import Workload
 
@@ -90,13 +104,13 @@ VARIANTS: dict[str, tuple[str, bool]] = {
     "hymcache": ("hymcache", True),
     "hymcache-noprefetch": ("hymcache", False),
 }
-DEFAULT_WINDOW_BYTES = 128 * MiB  # per-request prefetch window: ~128 MB of KV (8 x 16 MB, 4 x 32 MB)
-MIN_WINDOW_BLOCKS = 2
+DEFAULT_WINDOW_BYTES = WINDOW_BYTES  # the KV Manager's per-request window: ~128 MB of KV (8 x 16 MB, 4 x 32 MB)
+NS_PER_S = 1e9
 
 
-def window_blocks(window_bytes: int, block_bytes: int) -> int:
-    """Blocks a request keeps in flight: the window's worth, never fewer than 2."""
-    return max(MIN_WINDOW_BLOCKS, window_bytes // block_bytes)
+def master_key(key: int) -> bytes:
+    """A workload's block key (a non-negative int) as the Master's ``KEY_BYTES``-byte key: one to one."""
+    return key.to_bytes(KEY_BYTES, "little")
 
 
 def replay_config(profile: str, variant: str, overrides: Mapping[str, Any] | None = None,
@@ -109,51 +123,6 @@ def replay_config(profile: str, variant: str, overrides: Mapping[str, Any] | Non
     if device_policy is not None:
         changes["policy.name"] = device_policy
     return load_profile(profile).with_overrides(changes)
-
-
-class HostIndex:
-    """Which KV blocks the device holds and at which slot (the Master's map).
-
-    Slots are fixed-size extents of the device address space; when the device
-    is full, the least recently used block is forgotten and its slot reused.
-    """
-
-    def __init__(self, slots: int, slot_bytes: int):
-        if slots < 1:
-            raise ValueError(f"the device holds no slot of {slot_bytes} bytes")
-        self.slot_bytes = slot_bytes
-        self.slot_of: OrderedDict[int, int] = OrderedDict()  # least recently used first
-        self._free = list(range(slots - 1, -1, -1))  # pop() hands out low slots first
-        self.evictions = 0
-
-    def __contains__(self, key: int) -> bool:
-        return key in self.slot_of
-
-    def stored_prefix(self, keys) -> list[int]:
-        """Addresses of the longest stored prefix of ``keys`` (touched as used)."""
-        addrs, slot_of = [], self.slot_of
-        for key in keys:
-            slot = slot_of.get(key)
-            if slot is None:
-                break
-            slot_of.move_to_end(key)
-            addrs.append(slot * self.slot_bytes)
-        return addrs
-
-    def touch(self, key: int) -> None:
-        self.slot_of.move_to_end(key)
-
-    def allocate(self, key: int) -> int:
-        if not self._free:
-            _, slot = self.slot_of.popitem(last=False)
-            self.evictions += 1
-        else:
-            slot = self._free.pop()
-        self.slot_of[key] = slot
-        return slot * self.slot_bytes
-
-    def forget(self, key: int) -> None:
-        self._free.append(self.slot_of.pop(key))
 
 
 @dataclass
@@ -227,7 +196,8 @@ class Replay:
 
     def __init__(self, cfg: Config, variant: str, workload: Workload, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  bucket_ns: float = 600e9, progress: bool = True, record_ops: bool = False,
-                 sequential: bool = False, prefill: PrefillModel | None = None):
+                 sequential: bool = False, prefill: PrefillModel | None = None,
+                 master_options: Mapping[str, Any] | None = None):
         if variant not in VARIANTS:
             raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
         if cfg.emulation.data:
@@ -240,8 +210,19 @@ class Replay:
         self.ctl = Controller(cfg, None)
         page = cfg.device.page_size_bytes
         self.block_bytes = workload.block_bytes
-        slot_bytes = -(-self.block_bytes // page) * page
-        self.index = HostIndex(cfg.capacity_bytes // slot_bytes, slot_bytes)
+        # a block's extent on the device: its bytes in whole pages (no two blocks share a device page)
+        self.slot_bytes = slot_bytes = -(-self.block_bytes // page) * page
+        if slot_bytes > cfg.capacity_bytes:
+            raise ValueError(f"the device of {cfg.capacity_bytes} bytes holds no block of {slot_bytes} bytes")
+        # the host side: the runtime's Master in process, on the replay's virtual clock (seconds), with one node
+        # of one device; ``master_options``: its keyword arguments (lease_s, high_watermark, ...), else its defaults
+        self.clock = ManualClock()
+        self.master_options = dict(master_options or {})
+        self.master = Master(self.clock, **self.master_options)
+        self.master.register_node(0, "replay", [DeviceInfo(0, "replay", cfg.capacity_bytes, 0)])
+        self.requests = 0  # request ids for put_start
+        self.revoked = 0  # refused writes given back (put_revoke); the Master's other revocations are put timeouts
+        self.no_space_puts = 0  # put_starts refused whole (ENOSPC: no room even after evicting all it may): not written
         # sequential: one block in flight, so a prefetch never pins a frame while another page is staged
         self.window_blocks = 1 if sequential else window_blocks(window_bytes, self.block_bytes)
         self.window_bytes = window_bytes
@@ -290,8 +271,8 @@ class Replay:
         b.last_read = max(b.last_read, finish)
         return finish
 
-    def _write(self, key: int, now: float) -> float:
-        addr = self.index.allocate(key)
+    def _write(self, addr: int, now: float) -> tuple[float, bool]:
+        """Write one block at ``addr``: (finish time, accepted)."""
         if self.ops is not None:
             self.ops.append(("write", addr, self.block_bytes))
         b = self._bucket_at(now)
@@ -301,9 +282,8 @@ class Replay:
         try:
             finish = self.ctl.write(addr, None, self.block_bytes, now)
         except WriteBufferFull:
-            self.index.forget(key)
             b.refused_writes += 1
-            return now + self.refusal_ns
+            return now + self.refusal_ns, False
         b.writes += 1
         b.write_bytes += self.block_bytes
         b.write_miss_pages += new_pages
@@ -315,7 +295,7 @@ class Replay:
             self.peak_write_buffer_pages = max(self.peak_write_buffer_pages, admission.used_pages)
         if self.sequential:  # drain the write-back: nothing stays pinned by a flush for the next access
             finish = self.ctl.flush(finish)
-        return finish
+        return finish, True
 
     def _prefetch(self, addr: int, now: float) -> tuple[int, float] | None:
         ctl, stats = self.ctl, self.ctl.stats
@@ -335,12 +315,52 @@ class Replay:
         self.peak_staged_pages = max(self.peak_staged_pages, ctl.engine.pages_held)
         return handle, ack
 
+    # ---- the Master, on the virtual clock -----------------------------------------------
+    def _lookup(self, keys: list[bytes], now: float) -> list[int]:
+        """Addresses of the longest stored prefix of ``keys`` (the Master's lookup: leased, touched)."""
+        self.clock.t = now / NS_PER_S
+        lookup, addrs = self.master.lookup, []
+        for i in range(0, len(keys), MAX_BATCH):
+            chunk = keys[i:i + MAX_BATCH]
+            locs = lookup(chunk)
+            addrs += [loc.offset for loc in locs]
+            if len(locs) < len(chunk):
+                break
+        return addrs
+
+    def _put_start(self, keys: list[bytes], now: float) -> list:
+        """Where to write each of ``keys`` (one put_start per MAX_BATCH keys); None: stored, in flight, or not
+        placed (ENOSPC: the Master could not make room, the blocks are not written)."""
+        self.clock.t = now / NS_PER_S
+        self.requests += 1
+        rid, master, locs = f"replay-{self.requests}", self.master, []
+        for i in range(0, len(keys), MAX_BATCH):
+            chunk = keys[i:i + MAX_BATCH]
+            try:
+                locs += master.put_start(rid, chunk, [self.slot_bytes] * len(chunk))
+            except ChmError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                self.no_space_puts += 1
+                locs += [None] * len(chunk)
+        return locs
+
+    def _put_finish(self, written: list[bytes], refused: list[bytes], now: float) -> None:
+        """Register the written blocks (put_end), give the refused ones back (put_revoke: offered again later)."""
+        self.clock.t = now / NS_PER_S
+        for i in range(0, len(refused), MAX_BATCH):
+            self.revoked += self.master.put_revoke(refused[i:i + MAX_BATCH])
+        for i in range(0, len(written), MAX_BATCH):
+            chunk = written[i:i + MAX_BATCH]
+            self.master.put_end(chunk, [0] * len(chunk))
+
     # ---- one request: a generator yielding the virtual time of its next operation ------
     def _request(self, keys, now: float):
         known = self.known
         reusable = [i for i, key in enumerate(keys) if key in known]  # positions an earlier request had
         known.update(keys)
-        addrs = self.index.stored_prefix(keys)
+        mkeys = [key.to_bytes(KEY_BYTES, "little") for key in keys]  # master_key, inline: once per block
+        addrs = self._lookup(mkeys, now)
         unread = [i for i in reusable if i >= len(addrs)] if len(reusable) > len(addrs) else ()
         if unread:  # what was not read is recomputed
             bucket = self._bucket_at(now)
@@ -354,13 +374,17 @@ class Replay:
                 now = self._read(addr, now, True)
                 self._bucket_at(start).read_latency_ns.append(now - start)
                 yield now
-        index = self.index
-        for key in keys[len(addrs):]:
-            if key in index:  # stored after a gap in the chain (or by a concurrent request): keep it
-                index.touch(key)
-                continue
-            now = self._write(key, now)
-            yield now
+        if len(addrs) < len(keys):
+            # the rest of the chain: stored after a gap, or in flight (another request's): None, kept as it is
+            written, refused = [], []
+            for loc in self._put_start(mkeys[len(addrs):], now):
+                if loc is None:
+                    continue
+                now, accepted = self._write(loc.offset, now)
+                (written if accepted else refused).append(loc.key)
+                yield now
+            if written or refused:
+                self._put_finish(written, refused, now)
         return now
 
     def _read_prefetched(self, addrs: list[int], now: float):
@@ -423,17 +447,28 @@ class Replay:
 
     # ---- the run ------------------------------------------------------------------------
     def _populate(self, keys, now: float) -> float:
+        """Store ``keys`` before the run, put through the Master as requests would, in batches of at most the
+        Master's watermark band (high - low watermark of the device: what one eviction round frees), so that
+        a populate larger than the device keeps the most recent blocks as one block at a time would."""
         self.known.update(keys)
-        for key in keys:
-            if key in self.index:
-                continue
-            addr = self.index.allocate(key)
-            while True:
-                try:
-                    now = self.ctl.write(addr, None, self.block_bytes, now)
-                    break
-                except WriteBufferFull:
-                    now = self.ctl.flush(now)
+        m = self.master
+        batch = min(MAX_BATCH, max(1, int((m.high_watermark - m.low_watermark) * self.cfg.capacity_bytes
+                                          // self.slot_bytes)))
+        keys = list(keys)
+        for i in range(0, len(keys), batch):
+            written = []
+            for loc in self._put_start([master_key(key) for key in keys[i:i + batch]], now):
+                if loc is None:  # already stored (or no room)
+                    continue
+                while True:
+                    try:
+                        now = self.ctl.write(loc.offset, None, self.block_bytes, now)
+                        break
+                    except WriteBufferFull:
+                        now = self.ctl.flush(now)
+                written.append(loc.key)
+            if written:
+                self._put_finish(written, [], now)
         return self.ctl.flush(now)
 
     def run(self) -> dict:
@@ -525,7 +560,9 @@ class Replay:
             "device": {k: snap[k] for k in ("page_hits", "page_misses", "merged_misses", "prefetch_staged_pages",
                                             "prefetch_resident_pages", "evictions", "dirty_evictions", "flushed_pages",
                                             "slowed_reads", "refused_writes", "ssd_read_bytes", "ssd_write_bytes")},
-            "host_index_evictions": self.index.evictions,
+            # the host side (the runtime's Master): blocks it evicted to make room (the field's name predates it)
+            "host_index_evictions": self.master.counters["evictions"],
+            "master": self._master_counts(),
             # the DRAM as a cache: page accesses (reads and accepted writes) and those that found no frame
             "cache": {"accesses": read_pages + write_pages, "misses": misses, "read_misses": total.miss_pages,
                       "write_misses": total.write_miss_pages,
@@ -537,12 +574,21 @@ class Replay:
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
         }
 
+    def _master_counts(self) -> dict:
+        """What the Master decided: its counters as they stand (no expiry run for the asking)."""
+        c, m = self.master.counters, self.master
+        return {"evictions": c["evictions"], "registered_blocks": c["registered_blocks"],
+                "refused_revoked": self.revoked, "put_timeouts": c["revoked_blocks"] - self.revoked,
+                "no_space_puts": self.no_space_puts, "lookup_hits": c["lookup_hits"],
+                "settings": {k: getattr(m, k) for k in ("lease_s", "lease_max_s", "put_timeout_s", "high_watermark",
+                                                        "low_watermark")}}
+
     def _window_bound(self) -> int | None:
         """Most staged bytes the per-request windows allow at the workload's concurrency."""
         if not self.prefetching:
             return None
         concurrency = getattr(self.workload, "concurrency", None)
-        slot = self.index.slot_bytes
+        slot = self.slot_bytes
         device_bound = self.cfg.policy.prefetch_window_bytes
         return device_bound if concurrency is None else min(device_bound, concurrency * self.window_blocks * slot)
 

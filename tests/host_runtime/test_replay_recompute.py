@@ -50,13 +50,16 @@ def test_lru_with_everything_stored_recomputes_nothing():
 
 
 def test_blocks_the_host_index_forgot_are_recomputed_even_if_stored_after_the_gap():
-    # 2 SSDs x 64 MiB = 8 slots of 16 MiB: turn 2's writes of keys 8-15 evict keys 0-7 from the host index
+    # 2 SSDs x 64 MiB = 8 blocks of 16 MiB: turn 1's keys 0-7 fill the device, past the Master's 90 % high
+    # watermark, so before turn 2 looks up it evicts the least recent (0 and 1) down to 85 %
     r = run("lru", HymcacheMicrobench(BLOCK, concurrency=1, blocks_per_turn=8, turns=3), {"ssd.capacity_bytes": 64 * MiB})
     t1, t2, t3 = r["rows"]
-    assert (t2["blocks_read"], t2["recomputed_blocks"]) == (8, 0)
-    # turn 3: key 0 is gone, so nothing is read; 8-15 are still stored, but after the gap: recomputed too
+    # turn 2: key 0 is gone, so nothing is read; 0-7 recomputed; its 10 new blocks (0, 1, 8-15) exceed the device
+    # (ENOSPC): none is stored
+    assert (t2["blocks_read"], t2["recomputed_blocks"], t2["blocks_written"]) == (0, 8, 0)
+    # turn 3: key 0 is still gone, so nothing is read; 2-7 are still stored, but after the gap: recomputed too
     assert (t3["blocks_read"], t3["recomputed_blocks"]) == (0, 16)
-    assert r["host_index_evictions"] > 0
+    assert r["host_index_evictions"] == 2 and r["master"]["no_space_puts"] == 2
 
 
 def test_prefill_time_of_a_known_block():
