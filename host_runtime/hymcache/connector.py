@@ -696,8 +696,9 @@ class HyMCacheConnector:
         self.counters["num_skipped_stores"] += len(keys)
         fig.skipped_stores += len(keys)
         self.log(f"request {p.request_id}: {len(keys)} blocks not stored ({exc}); offered again next turn")
+        version_of = {loc.key: loc.version for loc in p.locs}
         try:
-            self.master.put_revoke(list(keys))
+            self.master.put_revoke(list(keys), [version_of[k] for k in keys])  # only our own put_starts
         except ChmError as rexc:
             self.log(f"put_revoke of request {p.request_id}: {rexc}")
 
@@ -730,7 +731,7 @@ class HyMCacheConnector:
         for p in self._pending:
             fig = self.figures.setdefault(p.request_id, TurnFigures())
             staging = p.buffer if p.buffer is not None else memoryview(self._host_buffer)
-            written, sums, skipped = [], [], []
+            written, sums, versions, skipped = [], [], [], []
             for j, (key, loc) in enumerate(zip(p.keys, p.locs)):
                 data = staging[(p.slot0 + j) * self.block_bytes:(p.slot0 + j + 1) * self.block_bytes]
                 fig.write_attempts += 1
@@ -751,11 +752,12 @@ class HyMCacheConnector:
                     self.counters["device_time_ns"] += p.device.last_latency_ns
                 written.append(key)
                 sums.append(checksum)
+                versions.append(loc.version)
             if skipped:
                 self._skip(p, skipped, fig, ChmError(errno.EAGAIN, "the device refused the writes"))
             if written:
                 try:
-                    self.master.put_end(written, sums)
+                    self.master.put_end(written, sums, versions)  # only our own put_starts, if one timed out
                 except ChmError as exc:
                     self.counters["num_store_errors"] += 1
                     self.log(f"put_end of request {p.request_id}: {exc} (its put_starts will be revoked)")

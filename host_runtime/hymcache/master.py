@@ -128,6 +128,16 @@ def _check_list(values, field: str) -> list:
     return list(values)
 
 
+def _check_versions(versions, n: int) -> list:
+    """put_end / put_revoke's optional ``versions``: one per key (WriteLoc.version), or None for all."""
+    if versions is None:
+        return [None] * n
+    versions = _check_list(versions, "versions")
+    if len(versions) != n:
+        raise ChmError(errno.EINVAL, f"versions has {len(versions)} items for {n} keys")
+    return [_check_int(v, f"versions[{i}]", 0, (1 << 32) - 1) for i, v in enumerate(versions)]
+
+
 def _check_keys(keys, field: str = "keys") -> list[bytes]:
     keys = _check_list(keys, field)
     if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:  # the common case, in C loops
@@ -598,25 +608,35 @@ class Master:
         self._next_node += 1
         return node
 
-    def put_end(self, keys: list, checksums: list) -> int:
+    def put_end(self, keys: list, checksums: list, versions: list | None = None) -> int:
         """Register written blocks (visible to lookup from now on); durable when it returns.
-        Keys not in flight (revoked, never started, already registered) are skipped: the count says."""
+        Keys not in flight (revoked, never started, already registered) are skipped: the count says.
+        ``versions`` (each key's ``WriteLoc.version``) ties the call to its own put_starts: a key whose
+        put timed out and was started again by another request has a newer version and is skipped."""
         keys = _check_keys(keys)
         checksums = _check_list(checksums, "checksums")
         if len(checksums) != len(keys):
             raise ChmError(errno.EINVAL, f"checksums has {len(checksums)} items for {len(keys)} keys")
         checksums = [_check_int(c, f"checksums[{i}]", 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
+        versions = _check_versions(versions, len(keys))
         with self._lock:
             now = self._now_ms()
             self._expire(now)
             registered = 0
-            for key, checksum in zip(keys, checksums):
-                if self._commit(key, checksum):
+            for key, checksum, version in zip(keys, checksums, versions):
+                if self._started_as(key, version) and self._commit(key, checksum):
                     self._log(_CommitRec(key, checksum))
                     registered += 1
             self.counters["registered_blocks"] += registered
             self._journal_flush(durable=True)
             return registered
+
+    def _started_as(self, key: bytes, version: int | None) -> bool:
+        """Is ``key`` in flight from the put_start that returned ``version`` (None: from any)?"""
+        if version is None:
+            return True
+        row = self._index.get(key)
+        return row is not None and int(self._table["version"][row]) == version
 
     def _commit(self, key: bytes, checksum: int) -> bool:
         row = self._index.get(key)
@@ -630,16 +650,18 @@ class Master:
         self._device(int(t["node"][row]), int(t["device"][row])).evict_retry_ms = 0
         return True
 
-    def put_revoke(self, keys: list) -> int:
-        """Give back put_starts that will not be finished; registered blocks are not touched."""
+    def put_revoke(self, keys: list, versions: list | None = None) -> int:
+        """Give back put_starts that will not be finished; registered blocks are not touched.
+        ``versions`` as for ``put_end``: another request's newer put_start of a key is not revoked."""
         keys = _check_keys(keys)
+        versions = _check_versions(versions, len(keys))
         with self._lock:
             now = self._now_ms()
             self._expire(now)
             revoked = 0
-            for key in keys:
+            for key, version in zip(keys, versions):
                 row = self._index.get(key)
-                if row is not None and self._table["state"][row] == PENDING:
+                if row is not None and self._table["state"][row] == PENDING and self._started_as(key, version):
                     self._drop(key, now)
                     revoked += 1
             self.counters["revoked_blocks"] += revoked
@@ -991,11 +1013,11 @@ class MasterClient(TypedClient):
     def put_start(self, request_id: str, keys: list[bytes], sizes: list[int]) -> list[WriteLoc | None]:
         return to(list[Union[WriteLoc, None]], self.rpc.call("put_start", request_id, list(keys), list(sizes)))
 
-    def put_end(self, keys: list[bytes], checksums: list[int]) -> int:
-        return self.rpc.call("put_end", list(keys), list(checksums))
+    def put_end(self, keys: list[bytes], checksums: list[int], versions: list[int] | None = None) -> int:
+        return self.rpc.call("put_end", list(keys), list(checksums), None if versions is None else list(versions))
 
-    def put_revoke(self, keys: list[bytes]) -> int:
-        return self.rpc.call("put_revoke", list(keys))
+    def put_revoke(self, keys: list[bytes], versions: list[int] | None = None) -> int:
+        return self.rpc.call("put_revoke", list(keys), None if versions is None else list(versions))
 
     def remove(self, keys: list[bytes]) -> int:
         return self.rpc.call("remove", list(keys))

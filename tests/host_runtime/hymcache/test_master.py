@@ -120,6 +120,25 @@ def test_put_start_without_put_end_is_revoked_after_the_timeout():
     assert m.put_revoke([key(0), key(5)]) == 1 and m.stats()["revoked_blocks"] == 2
 
 
+def test_a_late_put_end_or_revoke_does_not_touch_another_requests_put_of_the_same_key():
+    """A put that timed out, then the key started again by another request: the first writer's late put_end
+    (with its WriteLoc.version) must not register the second's entry (whose bytes are not written yet), nor
+    its late put_revoke drop it."""
+    clock = ManualClock()
+    m = make(clock, put_timeout_s=30.0)
+    first = m.put_start("slow", [key(0)], [100])[0]
+    clock.advance(31)
+    second = m.put_start("fresh", [key(0)], [100])[0]      # the first put was revoked at its deadline
+    assert second.version != first.version
+    assert m.put_end([key(0)], [5], [first.version]) == 0  # the slow writer, too late: not its put any more
+    assert m.put_revoke([key(0)], [first.version]) == 0
+    assert m.lookup([key(0)]) == []                         # still in flight, for the fresh writer
+    assert m.put_end([key(0)], [6], [second.version]) == 1
+    assert [loc.checksum for loc in m.lookup([key(0)])] == [6]
+    with pytest.raises(ChmError, match="versions has 2 items for 1 keys"):
+        m.put_end([key(0)], [6], [1, 2])
+
+
 def _over_watermark_with_pending(m: Master, first_id: int, count: int) -> None:
     """In-flight blocks (never evicted) that keep the device past its high watermark."""
     m.put_start("filler", [key(i) for i in range(first_id, first_id + count)], [100] * count)
