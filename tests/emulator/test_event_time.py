@@ -156,8 +156,8 @@ def test_run_until_runs_each_event_at_its_own_time_and_never_past_until():
     ctl = controller("lru")
     delay = ctl.cfg.policy.lru_writeback_delay_ns
     started = []
-    start_flush = ctl._start_flush
-    ctl._start_flush = lambda entries, now: (started.append(now), start_flush(entries, now))
+    start_flush = ctl.flusher.start_flush
+    ctl.flusher.start_flush = lambda entries, now: (started.append(now), start_flush(entries, now))
     ctl.write(0, None, PAGE, 0.0)
     ctl.write(4 * PAGE, None, PAGE, ctl.dirty[0][1] + delay / 2)  # before the first is due
     first, second = (w for _, w in ctl.dirty)
@@ -180,9 +180,9 @@ def test_a_flusher_backing_off_has_no_flush_event_but_a_wall_time_retry():
     ctl = controller("lru")
     done = ctl.write(0, None, PAGE, 0.0)
     assert ctl.retry_wait_s() is None
-    ctl.media_error, ctl._retry_at = OSError("test"), float("inf")  # as _media_failed leaves it
+    ctl.flusher.media_error, ctl.flusher._retry_at = OSError("test"), float("inf")  # as _media_failed leaves it
     assert ctl.next_event_ns(done) is None and ctl.retry_wait_s() == float("inf")
-    ctl._retry_at = 0.0  # the backoff has passed: the write-back is due again
+    ctl.flusher._retry_at = 0.0  # the backoff has passed: the write-back is due again
     assert ctl.next_event_ns(done) is not None and ctl.retry_wait_s() is None
 
 

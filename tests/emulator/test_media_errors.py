@@ -10,8 +10,9 @@ import os
 import pytest
 
 from emulator import ChmError, Device, load_profile
-from emulator import controller as controller_mod
-from emulator.controller import MEDIA_RETRY_FIRST_S, MEDIA_RETRY_MAX_S, UnflushedData
+from emulator import flusher as flusher_mod
+from emulator.controller import UnflushedData
+from emulator.flusher import MEDIA_RETRY_FIRST_S, MEDIA_RETRY_MAX_S
 from emulator.ssd import MediaIOError, SsdBackend
 
 from .conftest import KiB, TINY
@@ -89,7 +90,7 @@ def test_background_flush_errors_never_raise_and_retry_with_doubling_backoff(med
     """The background flusher (tick) never raises for a media error; it retries after 1 s of wall time,
     doubling up to 30 s; a client's flush tries at once, ignoring the backoff."""
     clock = [1000.0]
-    monkeypatch.setattr(controller_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(flusher_mod.time, "monotonic", lambda: clock[0])
     logs = []
     dev = Device.open("small", media_dir, overrides={**TINY, **FAIL_WRITES, "faults.failing_ops": 10},
                       log=logs.append)
@@ -100,7 +101,7 @@ def test_background_flush_errors_never_raise_and_retry_with_doubling_backoff(med
     for attempt in range(1, 8):
         dev.idle(1e9)  # the flush lands, failed: the backoff starts
         assert ctl.stats["flush_failures"] == attempt
-        delays.append(ctl._retry_at - clock[0])
+        delays.append(ctl.flusher._retry_at - clock[0])
         dev.idle(1e9)
         dev.idle(1e9)
         assert ctl.stats["flush_failures"] == attempt and not ctl.flights, "no retry before the backoff has passed"
@@ -249,7 +250,7 @@ def test_writes_of_one_attempt_failing_one_by_one_back_off_once(media_dir, monke
     """The backoff doubles per failed retry, not per failed media write: a batch whose writes fail one by
     one is one failure."""
     clock = [1000.0]
-    monkeypatch.setattr(controller_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(flusher_mod.time, "monotonic", lambda: clock[0])
     dev = Device.open("small", media_dir, policy="lru",
                       overrides={**TINY, **FAIL_WRITES, "faults.failing_ops": 1 << 40,
                                  "policy.lru_writeback_delay_ns": 1e6},
@@ -261,6 +262,6 @@ def test_writes_of_one_attempt_failing_one_by_one_back_off_once(media_dir, monke
     assert len(finishes) == 8 and finishes[0] < finishes[-1]
     for finish in finishes:  # each lands, failed, on a tick of its own
         dev.idle(max(0.0, finish - dev.clock_ns))
-    assert ctl.stats["flush_failures"] == 8 and ctl._retry_delay_s == MEDIA_RETRY_FIRST_S
+    assert ctl.stats["flush_failures"] == 8 and ctl.flusher._retry_delay_s == MEDIA_RETRY_FIRST_S
     with pytest.raises(UnflushedData):
         dev.close(drain_timeout_s=0)

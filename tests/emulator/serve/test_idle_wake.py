@@ -46,8 +46,8 @@ def serve(media_dir):
 def flush_starts(srv: DeviceServer) -> list[float]:
     """Record the virtual time of every flush the controller starts from now on."""
     started = []
-    start_flush = srv.ctl._start_flush
-    srv.ctl._start_flush = lambda entries, now: (started.append(now), start_flush(entries, now))
+    start_flush = srv.ctl.flusher.start_flush
+    srv.ctl.flusher.start_flush = lambda entries, now: (started.append(now), start_flush(entries, now))
     return started
 
 
