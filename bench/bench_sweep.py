@@ -17,7 +17,7 @@ import time
 
 GOAL = 0.6
 TASK_GOAL_S = 30.0
-TURNS = 12
+TURNS = 14
 POLICIES = ("lru", "fifo", "clock", "sieve")
 
 
