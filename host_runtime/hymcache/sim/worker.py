@@ -82,7 +82,18 @@ class Request:
         return ((self.owner(i) + 1) << 24) | i
 
 
-class Worker:
+class _Sleeper:
+    """A worker's loop that sleeps on ``_wake`` (an event) while it has nothing to do."""
+
+    _wake = None
+
+    def _wakeup(self) -> None:
+        if self._wake is not None:
+            wake, self._wake = self._wake, None
+            wake.succeed()
+
+
+class Worker(_Sleeper):
     def __init__(self, env: Env, step_model, gpu_cache, tier, *, tokens_per_block: int, max_num_batched_tokens: int,
                  max_num_seqs: int, handoff=None):
         self.env, self.step_model, self.gpu, self.tier = env, step_model, gpu_cache, tier
@@ -104,11 +115,6 @@ class Worker:
         req.arrival = self.env.now
         self.waiting.append(req)
         self._wakeup()
-
-    def _wakeup(self) -> None:
-        if self._wake is not None:
-            wake, self._wake = self._wake, None
-            wake.succeed()
 
     def _look_up(self, r: Request) -> None:
         r.looked_up = True
@@ -228,7 +234,7 @@ class Worker:
         self._wakeup()
 
 
-class DecodeWorker:
+class DecodeWorker(_Sleeper):
     """The PD decode worker (vLLM with a P/D connector, decode side): a request whose prefill is done waits
     here FIFO; it is admitted when ``max_num_seqs`` and the GPU's KV cache (its prompt + ``decode_tokens``)
     allow, then its KV is pulled from the prefill worker (``pull(req)``: a process over the P->D links; the
@@ -252,11 +258,6 @@ class DecodeWorker:
     def submit(self, req: Request) -> None:
         self.waiting.append(req)
         self._wakeup()
-
-    def _wakeup(self) -> None:
-        if self._wake is not None:
-            wake, self._wake = self._wake, None
-            wake.succeed()
 
     def _pull(self, r: Request):
         yield from self.pull(r)
