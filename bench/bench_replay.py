@@ -74,16 +74,16 @@ def _device_path(cfg, ops: list[tuple[str, int, int]]) -> tuple[float, int]:
     """The recorded sequential operations (one page each) through a fresh controller: (wall s, page misses:
     read misses plus first-touch writes)."""
     ctl = Controller(cfg, None)
-    read, write, flush, write_lookup = ctl.read, ctl.write, ctl.flush, ctl.policy.write_lookup
-    page = cfg.device.page_size_bytes
+    read, write, flush = ctl.read, ctl.write, ctl.flush
     now, write_misses = 0.0, 0
     t0 = time.perf_counter()
     for kind, addr, length in ops:
         if kind == "read":
-            now = read(addr, length, now)
+            now = read(addr, length, now).finish
         else:  # sequential: every write is drained before the next access
-            write_misses += write_lookup(addr // page) is None
-            now = flush(write(addr, None, length, now))
+            written = write(addr, None, length, now)
+            write_misses += written.new_pages
+            now = flush(written.finish)
     wall = time.perf_counter() - t0
     return wall, ctl.stats["page_misses"] + write_misses
 

@@ -21,8 +21,10 @@ class WriteBufferFull(ChmError):
     ``written`` is the byte count written before the refusal: 0 for one
     command (admitted whole or not at all); for a write split into commands
     (libchm, larger than its staging buffer) the parts before the refused one
-    stay written, and ``written`` says how many bytes they hold."""
+    stay written, and ``written`` says how many bytes they hold. ``new_pages``
+    (from the device model) is how many write-buffer pages the write asked for."""
 
-    def __init__(self, message: str, written: int = 0):
+    def __init__(self, message: str, written: int = 0, new_pages: int = 0):
         super().__init__(_errno.EAGAIN, message)
         self.written = written
+        self.new_pages = new_pages

@@ -1,9 +1,10 @@
 """The CXL-HM controller: one engine for live clients and trace replay.
 
 Every operation takes the virtual time it arrives at and returns the virtual
-time it finishes; bytes (when ``emulation.data`` is on) move for real between
-the DRAM region, the SSD backing files and the caller's buffers. The policy
-decides what lives in DRAM; the timing model says how long it took.
+time it finishes (read, write and prefetch: in their outcome, below); bytes
+(when ``emulation.data`` is on) move for real between the DRAM region, the SSD
+backing files and the caller's buffers. The policy decides what lives in DRAM;
+the timing model says how long it took.
 
 ``Controller`` is the command layer (read, write, prefetch, wait, release, snapshot, close) over three parts:
 * ``dram.Frames`` -- the DRAM region and each frame's state (ready time, outstanding staging read, write
@@ -19,6 +20,11 @@ native frame tables: the same steps as ``read`` below, over the same state (``re
 ``io_token``, the timing pipes and the read latency histogram are native memory both sides use).
 ``chm serve`` calls it straight from its C loop; its counts reach ``stats`` at the next read or
 ``snapshot``.
+
+Outcomes. ``read``, ``write`` and ``prefetch`` return what they did (``ReadOutcome``, ``WriteOutcome``,
+``PrefetchOutcome``): the finish (or acknowledgement) time and the pages they counted in ``stats``, so a
+caller never diffs ``stats`` nor looks into the policy or the prefetch engine. A refused write raises
+``WriteBufferFull`` with ``new_pages``, the write-buffer pages it asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import sys
 from array import array
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from driver.wire import STATS_COUNTERS
 
@@ -37,8 +44,7 @@ from .errors import ChmError, WriteBufferFull
 from .flusher import Flusher, utc
 from .media_io import MediaIO
 from .native import ffi, lib
-from .policies import Area, Policy, make_policy
-from .policies.hymcache import HymCachePolicy
+from .policies import make_policy
 from .prefetch import PrefetchEngine
 from .ssd import MediaIOError, SsdBackend
 from .timing import TimingModel
@@ -50,31 +56,44 @@ UNCLEAN_SHUTDOWN_MESSAGE = "unclean shutdown: writes acknowledged but not flushe
 NATIVE_READ_COUNTS = tuple(name for name, _ in ffi.typeof("struct chm_read_counts").fields)
 _ZERO_COUNTS = memoryview(array("Q", bytes(8 * len(NATIVE_READ_COUNTS))))
 _read_hit = lib.chm_dev_read_hit
+_tuple_new = tuple.__new__  # an outcome made without NamedTuple.__new__'s Python frame: the hot path makes one per call
 
 
 def _log_to_stderr(message: str) -> None:
     print(f"chm: {message}", file=sys.stderr, flush=True)
 
 
-def native_lookup_areas(policy: Policy) -> list[Area] | None:
-    """The areas ``policy.lookup`` asks for a page, in its order, when its lookup and touch are the built-in
-    ones over native frame tables (then a DRAM-hit read can run in C); None when either runs in Python
-    (a plug-in's lookup, touch or eviction order)."""
-    cls = type(policy)
-    if cls.touch is not Policy.touch:
-        return None
-    if cls.lookup is Policy.lookup:
-        areas = [policy.read_area]
-    elif cls.lookup is HymCachePolicy.lookup:
-        areas = [policy.write_area, policy.read_area]  # the newest copy of a written page is in the write buffer
-    else:
-        return None
-    table = policy.read_area.table
-    for name in ("lookup", "touch"):  # CachePolicy binds the read area's table methods to the instance
-        own = vars(policy).get(name)
-        if own is not None and own != getattr(table, name):
-            return None
-    return None if any(area.table.plugin for area in areas) else areas
+class ReadOutcome(NamedTuple):
+    """What a read did: when its last byte reached the host, and its pages by how DRAM held them (the
+    ``page_hits``, ``page_misses`` and ``merged_misses`` it counted). A read served by the native hit path
+    is all hits: it serves only pages resident and ready."""
+
+    finish: float
+    hit_pages: int  # resident and ready
+    missed_pages: int  # staged from the media by this read
+    merged_pages: int  # resident but still being staged (by an earlier read or prefetch): waited for
+
+
+class WriteOutcome(NamedTuple):
+    """What an accepted write did: when it finished, its pages by whether the write path already had a
+    frame for them, and the write buffer's pages in use after it (0 for a policy without one)."""
+
+    finish: float
+    new_pages: int  # needed a new frame (admitted into the write buffer, for a policy with one)
+    overwritten_pages: int  # already had a frame on the write path
+    write_buffer_pages: int
+
+
+class PrefetchOutcome(NamedTuple):
+    """What an accepted prefetch did: its handle, when the host learns it, its pages by whether it staged
+    them (``prefetch_staged_pages``) or found them resident (``prefetch_resident_pages``), and the pages
+    the device's prefetch window holds after it (``snapshot()["prefetch_pages_held"]``)."""
+
+    handle: int
+    ack: float
+    staged_pages: int
+    resident_pages: int
+    window_pages_held: int
 
 
 class UnflushedData(ChmError):
@@ -160,6 +179,16 @@ class Controller:
         return self.flusher.media_error
 
     @property
+    def prefetch_window_pages(self) -> int:
+        """The device-wide prefetch window: the most pages its handles may hold at once."""
+        return self.engine.window_pages
+
+    @property
+    def prefetch_max_handles(self) -> int:
+        """The most prefetch handles the device holds at once."""
+        return self.engine.max_handles
+
+    @property
     def background_ns(self) -> float:
         return self.flusher.background_ns
 
@@ -178,7 +207,7 @@ class Controller:
         dev.dram = ffi.NULL if frames.region is None else ffi.cast("uint8_t *", frames.region.base_addr)
         dev.controller, dev.dram_pipe, dev.link_to_host = timing.controller._c, timing.dram._c, timing.link_to_host._c
         dev.read_latency = timing.latencies.histogram("read")._c
-        areas = native_lookup_areas(self.policy) or []
+        areas = self.policy.native_lookup_areas() or []
         for i, area in enumerate(areas):
             dev.areas[i].table, dev.areas[i].base = area.table._c, area.base
         dev.n_areas = len(areas)
@@ -239,8 +268,9 @@ class Controller:
         return frame
 
     # ---- reads -------------------------------------------------------------------
-    def read(self, addr: int, length: int, now: float, out: memoryview | None = None, whole: bool = True) -> float:
-        """Copy ``length`` bytes at ``addr`` into ``out``; returns the finish time.
+    def read(self, addr: int, length: int, now: float, out: memoryview | None = None,
+             whole: bool = True) -> ReadOutcome:
+        """Copy ``length`` bytes at ``addr`` into ``out``; returns the finish time and its pages (ReadOutcome).
 
         ``whole=False``: this call is one piece of a larger command, which the caller counts once
         (``count_command``) when its last piece is done."""
@@ -253,27 +283,34 @@ class Controller:
                 with ffi.from_buffer("uint8_t[]", out, require_writable=True) as buf:
                     hit = len(buf) >= length and _read_hit(self.native_dev, addr, length, now, buf, whole,
                                                           self._native_finish)
-            if hit:
+            if hit:  # every page a hit
                 self.fold_native_counts()
-                return self._native_finish[0]
+                return _tuple_new(ReadOutcome, (self._native_finish[0], hit, 0, 0))
         pages = self._pages(addr, length)
         stats = self.stats
         stats["read_bytes"] += length
         t = self._cycles(now, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_lookup)
-        frames = [self.policy.lookup(page) for page in pages]
+        lookup = self.policy.lookup
+        frames = [lookup(page) for page in pages]
         if None not in frames:  # all resident: nothing can be evicted under us, so nothing to pin
+            ready_at, touch, merged = self.ready_at, self.policy.touch, 0
             for frame in frames:
-                if self.ready_at[frame] > t:
-                    stats["merged_misses"] += 1
+                if ready_at[frame] > t:
+                    merged += 1
                 else:
-                    stats["page_hits"] += 1
-                    self.policy.touch(frame)
+                    touch(frame)
+            hits, missed = len(frames) - merged, 0
+            stats["page_hits"] += hits
+            stats["merged_misses"] += merged
             finish = self._copy_out(addr, length, pages, frames, t, out)
         else:  # staging may evict: pin what a chunk uses until it is copied
-            finish = t
+            finish, hits, missed, merged = t, 0, 0, 0
             for chunk_start in range(0, len(pages), self.chunk_pages):
                 chunk = pages[chunk_start: chunk_start + self.chunk_pages]
-                frames = self._lookup_or_stage(chunk, t)
+                frames, h, m, mm = self._lookup_or_stage(chunk, t)
+                hits += h
+                missed += m
+                merged += mm
                 try:
                     finish = max(finish, self._copy_out(addr, length, chunk, frames, t, out))
                 finally:
@@ -281,7 +318,7 @@ class Controller:
                         self.policy.unpin(frame)
         if whole:
             self.count_command("read", finish - now)
-        return finish
+        return _tuple_new(ReadOutcome, (finish, hits, missed, merged))
 
     def fold_native_counts(self) -> None:
         """Add what native hit reads counted to ``stats``."""
@@ -296,22 +333,34 @@ class Controller:
         self.stats[kind + "s"] += 1
         self.timing.latencies.add(kind, latency_ns)
 
-    def _lookup_or_stage(self, pages: range, t: float) -> list[int]:
-        """Frames for ``pages``, staging the missing ones; each is pinned (staging may evict)."""
+    def _lookup_or_stage(self, pages: range, t: float) -> tuple[list[int], int, int, int]:
+        """Frames for ``pages``, staging the missing ones; each is pinned (staging may evict). Returns them
+        with the pages hit, missed and merged (counted in ``stats`` too, even when staging fails)."""
         frames = []
-        for page in pages:
-            frame = self.policy.lookup(page)
-            if frame is None:
-                self.stats["page_misses"] += 1
-                frame = self._stage(page, t)
-            elif self.ready_at[frame] > t:
-                self.stats["merged_misses"] += 1
-            else:
-                self.stats["page_hits"] += 1
-                self.policy.touch(frame)
-            self.policy.pin(frame)
-            frames.append(frame)
-        return frames
+        policy, ready_at = self.policy, self.ready_at
+        hits = missed = merged = 0
+        try:
+            for page in pages:
+                frame = policy.lookup(page)
+                if frame is None:
+                    missed += 1
+                    frame = self._stage(page, t)
+                elif ready_at[frame] > t:
+                    merged += 1
+                else:
+                    hits += 1
+                    policy.touch(frame)
+                policy.pin(frame)
+                frames.append(frame)
+        finally:
+            stats = self.stats
+            if hits:
+                stats["page_hits"] += hits
+            if missed:
+                stats["page_misses"] += missed
+            if merged:
+                stats["merged_misses"] += merged
+        return frames, hits, missed, merged
 
     def _copy_out(self, addr: int, length: int, pages: range, frames: list[int], t: float, out: memoryview | None) -> float:
         """Move the requested bytes of ``pages`` (in ``frames``) to the host; returns when the last arrives.
@@ -352,10 +401,12 @@ class Controller:
         return self.timing.link_to_host.stream(self.timing.dram.stream(readies, sizes), sizes)[-1]
 
     # ---- writes ------------------------------------------------------------------
-    def write(self, addr: int, data: memoryview | None, length: int, now: float, whole: bool = True) -> float:
-        """Write ``length`` bytes (``data``, or nothing when data is off) at ``addr``; returns the finish time.
+    def write(self, addr: int, data: memoryview | None, length: int, now: float, whole: bool = True) -> WriteOutcome:
+        """Write ``length`` bytes (``data``, or nothing when data is off) at ``addr``; returns the finish time
+        and its pages (WriteOutcome).
 
-        Raises WriteBufferFull, having written nothing, when the policy refuses. ``whole`` as for ``read``.
+        Raises WriteBufferFull, having written nothing, when the policy refuses; its ``new_pages`` is the
+        write-buffer pages the write asked for. ``whole`` as for ``read``.
         """
         self.check_range(addr, length)
         self.tick(now)
@@ -371,7 +422,7 @@ class Controller:
             self.stats["refused_writes"] += 1
             self.stats["refused_write_bytes"] += length
             raise WriteBufferFull(f"write of {length} bytes at {addr} needs {new_pages} write-buffer pages; "
-                                  f"the buffer has no room until a flush completes")
+                                  f"the buffer has no room until a flush completes", new_pages=new_pages)
         self.stats["write_bytes"] += length
         arrived = self.timing.link_to_device.transfer(now, length)  # a refused write moves no payload
         t = self._cycles(arrived, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_admission)
@@ -383,7 +434,7 @@ class Controller:
             finish = max(finish, self._write_page(page, lo, hi, src, t))
         if whole:
             self.count_command("write", finish - now)
-        return finish
+        return _tuple_new(WriteOutcome, (finish, new_pages, len(pages) - new_pages, self.policy.write_buffer_pages))
 
     def _write_page(self, page: int, lo: int, hi: int, src: memoryview | None, now: float) -> float:
         frames, read_error = self.frames, self.read_error
@@ -435,8 +486,9 @@ class Controller:
         return done
 
     # ---- prefetch ----------------------------------------------------------------
-    def prefetch(self, addr: int, size: int, now: float) -> tuple[int, float]:
-        """Stage an object; returns (handle, time the command is acknowledged)."""
+    def prefetch(self, addr: int, size: int, now: float) -> PrefetchOutcome:
+        """Stage an object; returns its handle, the time the command is acknowledged and its pages
+        (PrefetchOutcome)."""
         self.check_range(addr, size, "size")
         self.tick(now)
         pages = self._pages(addr, size)
@@ -447,25 +499,31 @@ class Controller:
         self.stats["prefetch_bytes"] += size
         t = self._cycles(now, self.cfg.controller.cycles_per_command)
         frames, ready_at = [], t
-        while (fetch := self.engine.next_fetch()) is not None:
-            page = fetch[1]
-            t = self._cycles(t, self.cfg.controller.cycles_per_prefetch_page)
-            frame = self.policy.staged_lookup(page)
-            if frame is None and self.policy.lookup(page) is not None:
-                self.stats["prefetch_resident_pages"] += 1  # newest data sits in the write buffer
-                continue
-            if frame is None:
-                self.stats["prefetch_staged_pages"] += 1
-                frame = self._stage(page, t)
-            else:
-                self.stats["prefetch_resident_pages"] += 1
-                self.policy.touch(frame)
-            self.policy.pin(frame)
-            frames.append(frame)
-            ready_at = max(ready_at, self.ready_at[frame])
+        staged = resident = 0
+        try:
+            while (fetch := self.engine.next_fetch()) is not None:
+                page = fetch[1]
+                t = self._cycles(t, self.cfg.controller.cycles_per_prefetch_page)
+                frame = self.policy.staged_lookup(page)
+                if frame is None and self.policy.lookup(page) is not None:
+                    resident += 1  # newest data sits in the write buffer
+                    continue
+                if frame is None:
+                    staged += 1
+                    frame = self._stage(page, t)
+                else:
+                    resident += 1
+                    self.policy.touch(frame)
+                self.policy.pin(frame)
+                frames.append(frame)
+                ready_at = max(ready_at, self.ready_at[frame])
+        finally:  # counted even when staging fails
+            self.stats["prefetch_staged_pages"] += staged
+            self.stats["prefetch_resident_pages"] += resident
         self.staged[handle] = Staged(frames, ready_at)
         self.media.poll()  # get the reads going now
-        return handle, t + self.cfg.host_link.latency_ns
+        return _tuple_new(PrefetchOutcome, (handle, t + self.cfg.host_link.latency_ns, staged, resident,
+                                            self.engine.pages_held))
 
     def wait(self, handle: int, now: float, timeout_ns: float | None = None) -> float:
         """Until the object is staged; returns when the host learns it (virtual time)."""

@@ -90,7 +90,7 @@ class Device:
             raise ChmError(errno.EINVAL, f"data must be bytes-like, not {type(data).__name__}") from None
         ctl = self.controller
         try:
-            self._advance(ctl.write(addr, view if ctl.data else None, view.nbytes, self.clock_ns))
+            self._advance(ctl.write(addr, view if ctl.data else None, view.nbytes, self.clock_ns).finish)
         finally:
             view.release()
         return len(data) if isinstance(data, (bytes, bytearray)) else view.nbytes
@@ -99,13 +99,13 @@ class Device:
         ctl = self.controller
         ctl.check_range(addr, length)
         out = bytearray(length) if ctl.data else None
-        self._advance(ctl.read(addr, length, self.clock_ns, memoryview(out) if out is not None else None))
+        self._advance(ctl.read(addr, length, self.clock_ns, memoryview(out) if out is not None else None).finish)
         return bytes(out) if out is not None else b""
 
     def prefetch(self, addr: int, size: int) -> int:
-        handle, ack = self.controller.prefetch(addr, size, self.clock_ns)
-        self._advance(ack)
-        return handle
+        issued = self.controller.prefetch(addr, size, self.clock_ns)
+        self._advance(issued.ack)
+        return issued.handle
 
     def wait(self, req: int, timeout_ms: float | None = None) -> None:
         if timeout_ms is not None and (not isinstance(timeout_ms, (int, float)) or timeout_ms < 0):

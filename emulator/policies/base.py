@@ -53,6 +53,7 @@ class Policy:
     config_fields: tuple[Field, ...] = ()  # its own section [policy.NAME] (emulator.policies.param)
     # Most flushed pages in flight before a background flush waits (None: no bound, flushes queue up on the SSDs).
     flush_pages_in_flight: int | None = None
+    write_buffer_pages = 0  # pages of the write buffer in use (a policy with one: a property)
 
     def __init__(self, cfg: Config, eviction: Callable[[int], EvictionPolicy] = LruOrder):
         self.cfg = cfg
@@ -86,6 +87,26 @@ class Policy:
     @classmethod
     def check_config(cls, cfg: Config, need: Callable[[bool, str], None]) -> None:
         """Rules the profile must meet for this policy (``need(ok, message)``); sizes, mostly."""
+
+    def native_lookup_areas(self) -> list[Area] | None:
+        """The areas ``lookup`` asks for a page, in its order, when its lookup and touch are the built-in
+        ones over native frame tables (then a DRAM-hit read can run in C: ``chm_dev_read_hit``); None when
+        either runs in Python (a plug-in's lookup, touch or eviction order). A policy with its own lookup
+        over native tables overrides this with ``_native_areas(ItsClass.lookup, its areas)``."""
+        return self._native_areas(Policy.lookup, [self.read_area])
+
+    def _native_areas(self, lookup: Callable, areas: list[Area]) -> list[Area] | None:
+        """``areas`` if this policy's lookup is ``lookup``, its touch the built-in one, neither rebound
+        on the instance but to the read area's table, and no area's eviction order a plug-in; else None."""
+        cls = type(self)
+        if cls.touch is not Policy.touch or cls.lookup is not lookup:
+            return None
+        table = self.read_area.table
+        for name in ("lookup", "touch"):  # CachePolicy binds the read area's table methods to the instance
+            own = vars(self).get(name)
+            if own is not None and own != getattr(table, name):
+                return None
+        return None if any(area.table.plugin for area in areas) else areas
 
     def counters(self) -> dict[str, int]:
         """Event counters for the device's stats (``policy_counters``), summed over the areas."""

@@ -49,6 +49,14 @@ class HymCachePolicy(Policy):
              f"policy.flush_batch_bytes = {cfg.policy.flush_batch_bytes} exceeds the write buffer "
              f"({cfg.write_buffer_frames} frames of {page} bytes)")
 
+    def native_lookup_areas(self):
+        # lookup's order: the newest copy of a written page is in the write buffer
+        return self._native_areas(HymCachePolicy.lookup, [self.write_area, self.read_area])
+
+    @property
+    def write_buffer_pages(self):
+        return self.admission.used_pages
+
     def lookup(self, page):
         frame = self.write_area.lookup(page)
         return self.read_area.lookup(page) if frame is None else frame

@@ -551,9 +551,9 @@ class DeviceServer:
             piece = job.buf[addr - job.addr: end - job.addr]
             try:
                 if read:
-                    finish = ctl.read(addr, end - addr, job.start, piece if ctl.data else None, whole=False)
+                    finish = ctl.read(addr, end - addr, job.start, piece if ctl.data else None, whole=False).finish
                 else:
-                    finish = ctl.write(addr, piece if ctl.data else None, end - addr, job.start, whole=False)
+                    finish = ctl.write(addr, piece if ctl.data else None, end - addr, job.start, whole=False).finish
             except ChmError as exc:
                 res, finish = self._failed(c, exc, job.start, -1)
             except Exception:
@@ -599,19 +599,19 @@ class DeviceServer:
         if op == lib.CHM_OP_READ:
             ctl.check_range(e.addr, e.len)
             out = c.buffer(e.buf_offset, e.len)
-            return e.len, ctl.read(e.addr, e.len, start, out if ctl.data else None)
+            return e.len, ctl.read(e.addr, e.len, start, out if ctl.data else None).finish
         if op == lib.CHM_OP_WRITE:
             ctl.check_range(e.addr, e.len)
             src = c.buffer(e.buf_offset, e.len)
-            return e.len, ctl.write(e.addr, src if ctl.data else None, e.len, start)
+            return e.len, ctl.write(e.addr, src if ctl.data else None, e.len, start).finish
         if op == lib.CHM_OP_PREFETCH:
             ctl.check_range(e.addr, e.len, "size")
             pages = (e.addr + e.len - 1) // ctl.page - e.addr // ctl.page + 1
             self._check_share(c, pages)
-            handle, ack = ctl.prefetch(e.addr, e.len, start)
-            c.handles[handle] = pages
+            issued = ctl.prefetch(e.addr, e.len, start)
+            c.handles[issued.handle] = pages
             c.pages_held += pages
-            return handle, ack
+            return issued.handle, issued.ack
         if op == lib.CHM_OP_WAIT:
             self._own(c, e.handle)
             return 0, ctl.wait(e.handle, start, None if e.timeout_ns < 0 else float(e.timeout_ns))
@@ -657,9 +657,9 @@ class DeviceServer:
 
         Checked only where the share is below the device's own limit; otherwise the device's window
         and handle checks (emulator/prefetch.py) speak."""
-        engine = self.ctl.engine
-        share = f"share {c.share_ppm} ppm of the device's {engine.window_pages} pages and {engine.max_handles} handles"
-        if c.prefetch_pages_limit < engine.window_pages:
+        window_pages, max_handles = self.ctl.prefetch_window_pages, self.ctl.prefetch_max_handles
+        share = f"share {c.share_ppm} ppm of the device's {window_pages} pages and {max_handles} handles"
+        if c.prefetch_pages_limit < window_pages:
             if pages > c.prefetch_pages_limit:
                 raise ChmError(errno.EINVAL, f"object of {pages} pages can never fit this client's prefetch share "
                                              f"of {c.prefetch_pages_limit} pages ({share})")
@@ -667,7 +667,7 @@ class DeviceServer:
                 raise ChmError(errno.EBUSY, f"this client's prefetch share is full: it holds {c.pages_held} of its "
                                             f"{c.prefetch_pages_limit} pages, {pages} more requested ({share}); "
                                             f"release a handle first")
-        if c.prefetch_handles_limit < engine.max_handles and len(c.handles) >= c.prefetch_handles_limit:
+        if c.prefetch_handles_limit < max_handles and len(c.handles) >= c.prefetch_handles_limit:
             raise ChmError(errno.EBUSY, f"this client's prefetch share is full: it holds {len(c.handles)} of its "
                                         f"{c.prefetch_handles_limit} handles ({share}); release a handle first")
 
@@ -866,11 +866,10 @@ class DeviceServer:
             lib.chm_srv_qp_init(srv, base, cid, sq, cq, staging)
             del base
             share = req.prefetch_share_ppm or round(self.cfg.policy.prefetch_client_share * lib.CHM_PPM)
-            engine = self.ctl.engine
             # The share applies alike to the window's pages and to the handles; each limit is at least one.
             c = Client(cid, conn, pid, qp_map, srv, batch, offs[3], staging, offs[2], self._now(), share,
-                       max(1, engine.window_pages * share // lib.CHM_PPM),
-                       max(1, engine.max_handles * share // lib.CHM_PPM))
+                       max(1, self.ctl.prefetch_window_pages * share // lib.CHM_PPM),
+                       max(1, self.ctl.prefetch_max_handles * share // lib.CHM_PPM))
             self.clients[cid] = c
             self.by_fd[conn.fileno()] = c
             self.poller.register(conn.fileno(), select.POLLIN)

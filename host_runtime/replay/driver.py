@@ -256,17 +256,16 @@ class Replay:
 
     # ---- operations: each returns its finish time -------------------------------------
     def _read(self, addr: int, now: float, count_hits: bool) -> float:
-        ctl, stats = self.ctl, self.ctl.stats
         if self.ops is not None:
             self.ops.append(("read", addr, self.block_bytes))
-        h, m, mm = stats["page_hits"], stats["page_misses"], stats["merged_misses"]
-        finish = ctl.read(addr, self.block_bytes, now)
+        done = self.ctl.read(addr, self.block_bytes, now)
+        finish = done.finish
         b = self._bucket_at(now)
         b.reads += 1
         b.read_bytes += self.block_bytes
         if count_hits:  # a merged miss found its page already allocated (being staged): a hit of the cache
-            b.hit_pages += stats["page_hits"] - h + stats["merged_misses"] - mm
-            b.miss_pages += stats["page_misses"] - m
+            b.hit_pages += done.hit_pages + done.merged_pages
+            b.miss_pages += done.missed_pages
         b.first_read = min(b.first_read, now)
         b.last_read = max(b.last_read, finish)
         return finish
@@ -276,32 +275,27 @@ class Replay:
         if self.ops is not None:
             self.ops.append(("write", addr, self.block_bytes))
         b = self._bucket_at(now)
-        page = self.cfg.device.page_size_bytes
-        pages = range(addr // page, (addr + self.block_bytes - 1) // page + 1)
-        new_pages = sum(1 for p in pages if self.ctl.policy.write_lookup(p) is None)
         try:
-            finish = self.ctl.write(addr, None, self.block_bytes, now)
+            done = self.ctl.write(addr, None, self.block_bytes, now)
         except WriteBufferFull:
             b.refused_writes += 1
             return now + self.refusal_ns, False
+        finish = done.finish
         b.writes += 1
         b.write_bytes += self.block_bytes
-        b.write_miss_pages += new_pages
-        b.write_hit_pages += len(pages) - new_pages
+        b.write_miss_pages += done.new_pages
+        b.write_hit_pages += done.overwritten_pages
         b.first_write = min(b.first_write, now)
         b.last_write = max(b.last_write, finish)
-        admission = getattr(self.ctl.policy, "admission", None)  # a policy with a write buffer
-        if admission is not None:
-            self.peak_write_buffer_pages = max(self.peak_write_buffer_pages, admission.used_pages)
+        if done.write_buffer_pages > self.peak_write_buffer_pages:  # 0 without a write buffer
+            self.peak_write_buffer_pages = done.write_buffer_pages
         if self.sequential:  # drain the write-back: nothing stays pinned by a flush for the next access
             finish = self.ctl.flush(finish)
         return finish, True
 
     def _prefetch(self, addr: int, now: float) -> tuple[int, float] | None:
-        ctl, stats = self.ctl, self.ctl.stats
-        s, r = stats["prefetch_staged_pages"], stats["prefetch_resident_pages"]
         try:
-            handle, ack = ctl.prefetch(addr, self.block_bytes, now)
+            issued = self.ctl.prefetch(addr, self.block_bytes, now)
         except ChmError as exc:
             if exc.errno != errno.EBUSY:
                 raise
@@ -310,10 +304,11 @@ class Replay:
         if self.ops is not None:
             self.ops.append(("prefetch", addr, self.block_bytes))
         b = self._bucket_at(now)
-        b.hit_pages += stats["prefetch_resident_pages"] - r
-        b.miss_pages += stats["prefetch_staged_pages"] - s
-        self.peak_staged_pages = max(self.peak_staged_pages, ctl.engine.pages_held)
-        return handle, ack
+        b.hit_pages += issued.resident_pages
+        b.miss_pages += issued.staged_pages
+        if issued.window_pages_held > self.peak_staged_pages:
+            self.peak_staged_pages = issued.window_pages_held
+        return issued.handle, issued.ack
 
     # ---- the Master, on the virtual clock -----------------------------------------------
     def _lookup(self, keys: list[bytes], now: float) -> list[int]:
@@ -462,7 +457,7 @@ class Replay:
                     continue
                 while True:
                     try:
-                        now = self.ctl.write(loc.offset, None, self.block_bytes, now)
+                        now = self.ctl.write(loc.offset, None, self.block_bytes, now).finish
                         break
                     except WriteBufferFull:
                         now = self.ctl.flush(now)

@@ -76,7 +76,7 @@ def test_reads_idle_at_is_when_at_most_n_reads_are_left_in_flight():
 def test_nothing_pending_is_no_event(policy):
     ctl = controller(policy, **ROOMY)
     assert ctl.next_event_ns(0.0) is None
-    done = ctl.write(0, None, PAGE, 0.0)
+    done = ctl.write(0, None, PAGE, 0.0).finish
     assert ctl.next_event_ns(done) is not None
     ctl.flush(done)
     assert ctl.next_event_ns(done) is None
@@ -142,7 +142,7 @@ def test_every_flush_landing_is_an_event_when_real_io_waits_to_be_collected(medi
     cfg = load_profile("small").with_overrides({**TINY, "policy.name": "lru"})
     ctl = Controller(cfg, media_dir, log=lambda _: None)
     try:
-        done = ctl.write(0, memoryview(bytes(PAGE)), PAGE, 0.0)
+        done = ctl.write(0, memoryview(bytes(PAGE)), PAGE, 0.0).finish
         ctl.tick(ctl.next_event_ns(done))
         (landing, _, _), = ctl.flights
         assert ctl.next_event_ns(done) == landing  # its media write's outcome is collected then
@@ -178,7 +178,7 @@ def test_run_until_refuses_a_deadline_at_which_the_policy_grants_nothing():
 
 def test_a_flusher_backing_off_has_no_flush_event_but_a_wall_time_retry():
     ctl = controller("lru")
-    done = ctl.write(0, None, PAGE, 0.0)
+    done = ctl.write(0, None, PAGE, 0.0).finish
     assert ctl.retry_wait_s() is None
     ctl.flusher.media_error, ctl.flusher._retry_at = OSError("test"), float("inf")  # as _media_failed leaves it
     assert ctl.next_event_ns(done) is None and ctl.retry_wait_s() == float("inf")

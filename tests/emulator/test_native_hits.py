@@ -17,7 +17,7 @@ import pytest
 
 from emulator import ChmError, Device, load_profile
 from emulator import controller as controller_mod
-from emulator.controller import Controller, native_lookup_areas
+from emulator.controller import Controller
 from driver.wire import lib as wire
 from emulator.native import ffi, lib
 from emulator.policies import make_policy, policy_class, register, unregister
@@ -76,8 +76,8 @@ def run_workload(ctl: Controller, seed: int, ops: int = 400) -> list:
                 addr = min(base + rng.randrange(2 * page), cap - 1)
                 length = min(rng.choice((1, 100, page, page + 7, 3 * page)), cap - addr)
                 buf = bytearray(length) if ctl.data else None
-                finish = ctl.read(addr, length, now, None if buf is None else memoryview(buf))
-                out.append(("read", finish, None if buf is None else bytes(buf)))
+                done = ctl.read(addr, length, now, None if buf is None else memoryview(buf))  # outcomes alike too
+                out.append(("read", done, None if buf is None else bytes(buf)))
             elif kind < 0.75:
                 addr = rng.randrange(cap - 3 * page)
                 length = rng.choice((page, 2 * page, 100))
@@ -86,10 +86,10 @@ def run_workload(ctl: Controller, seed: int, ops: int = 400) -> list:
                 recent = (recent + [addr])[-8:]
             elif kind < 0.85:
                 addr = rng.randrange(cap - 2 * page)
-                handle, ack = ctl.prefetch(addr, rng.choice((page, 2 * page)), now)
-                handles.append(handle)
+                issued = ctl.prefetch(addr, rng.choice((page, 2 * page)), now)
+                handles.append(issued.handle)
                 recent = (recent + [addr])[-8:]
-                out.append(("prefetch", handle, ack))
+                out.append(("prefetch", issued))
             elif kind < 0.92 and handles:
                 handle = handles.pop(rng.randrange(len(handles)))
                 out.append(("wait", ctl.wait(handle, now)))
@@ -156,7 +156,7 @@ def test_hit_read_serves_whole_hits_only_and_changes_nothing_when_it_declines(me
         assert hit(0, 4 * KiB, 1e9) == 1 and finish[0] > 1e9
         assert hit(100, 4 * KiB, 1e9) == 0  # the second page is not resident
 
-        handle, _ = ctl.prefetch(64 * KiB, 4 * KiB, 2e9)
+        handle = ctl.prefetch(64 * KiB, 4 * KiB, 2e9).handle
         assert hit(64 * KiB, 4 * KiB, 3e9) == 0  # its staging read has not been settled
         ctl.wait(handle, 3e9)
         assert hit(64 * KiB, 4 * KiB, 3e9) == 1  # pinned by the prefetch: a hit all the same, as in Python
@@ -185,18 +185,18 @@ def test_a_failed_staging_read_is_raised_by_python_and_stops_the_hit_path(media_
 
 
 def test_policies_that_look_up_or_count_hits_in_python_stay_in_python(media_dir):
-    assert all(native_lookup_areas(make_policy(tiny_config(p))) for p in NATIVE_POLICIES)
+    assert all(make_policy(tiny_config(p)).native_lookup_areas() for p in NATIVE_POLICIES)
     hym = make_policy(tiny_config("hymcache"))
-    assert native_lookup_areas(hym) == [hym.write_area, hym.read_area]
+    assert hym.native_lookup_areas() == [hym.write_area, hym.read_area]
 
     class TouchCounting(policy_class("lru")):
         def touch(self, frame):
             super().touch(frame)
 
-    assert native_lookup_areas(TouchCounting(tiny_config("lru"))) is None
+    assert TouchCounting(tiny_config("lru")).native_lookup_areas() is None
     lru = make_policy(tiny_config("lru"))
     lru.touch = lambda frame: None  # an instance's own touch, too
-    assert native_lookup_areas(lru) is None
+    assert lru.native_lookup_areas() is None
 
     class PluginOrder(FifoOrder):  # overrides an operation: a plug-in, run in Python
         def hit(self, page):
@@ -238,7 +238,7 @@ def test_quiet_until_is_the_next_background_event(media_dir):
                      log=lambda _: None)
     try:
         assert ctl.quiet_until(0.0) == float("inf")
-        done = ctl.write(0, memoryview(b"w" * 4 * KiB), 4 * KiB, 0.0)
+        done = ctl.write(0, memoryview(b"w" * 4 * KiB), 4 * KiB, 0.0).finish
         due = ctl.quiet_until(done)
         assert due == ctl.next_event_ns(done) == pytest.approx(ctl.dirty[0][1] + delay)
         ctl.tick(due)  # the flush starts then ...

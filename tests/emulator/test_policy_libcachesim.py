@@ -95,7 +95,7 @@ def test_wtinylfu_runs_the_device(media_dir):
     now = 0.0
     for _ in range(4000):
         page = min(int(rng.paretovariate(0.8)), 1000) if rng.random() < 0.7 else rng.randrange(2000)
-        now = ctl.read(page * 4 * KiB, 4 * KiB, now)
+        now = ctl.read(page * 4 * KiB, 4 * KiB, now).finish
     snap = ctl.snapshot()
     assert snap["page_hits"] > 0 and snap["evictions"] > 0
     assert set(snap["policy_counters"]) == {"pinned_reinserts", "forced_victims", "bypassed_pages", "victim_scans"}

@@ -208,7 +208,7 @@ def test_a_cache_policy_subclass_keeps_its_overrides():
         from emulator.controller import Controller
 
         ctl = Controller(cfg)
-        now = ctl.read(0, 4 * KiB, 0.0)
+        now = ctl.read(0, 4 * KiB, 0.0).finish
         ctl.read(0, 4 * KiB, now + 1e6)  # a hit, once the page has landed
         assert touched == [ctl.policy.lookup(0)]
     finally:

@@ -539,8 +539,7 @@ class ControllerDevice:
         return {"capacity_bytes": self.ctl.capacity, "device_epoch": self.ctl.device_epoch, "server_pid": 0}
 
     def prefetch(self, offset: int, length: int) -> int:
-        handle, _ack = self.ctl.prefetch(offset, length, self._now())
-        return handle
+        return self.ctl.prefetch(offset, length, self._now()).handle
 
     def wait(self, handle: int) -> None:
         self.ready_ns[handle] = self.ctl.wait(handle, self._now())
@@ -711,7 +710,7 @@ class HyMCacheTier(RemoteTier):
             return False
         if ready > env.now:
             yield ready
-        finish = self.ctl.read(token.offset, token.length, self.dev._now())
+        finish = self.ctl.read(token.offset, token.length, self.dev._now()).finish
         finish = max(finish, rdma(None, self.host.kv_nic, env.now, token.length))  # this node's port
         yield finish
         self._sync()
@@ -723,7 +722,7 @@ class HyMCacheTier(RemoteTier):
             self._fail(req, False)
             return False
         loc = locs[i]
-        finish = self.ctl.read(loc.offset, loc.length, self.dev._now())
+        finish = self.ctl.read(loc.offset, loc.length, self.dev._now()).finish
         finish = max(finish, rdma(None, self.host.kv_nic, self.env.now, loc.length))
         if finish > self.env.now + self.timeout_ns:
             yield self.env.now + self.timeout_ns
@@ -784,7 +783,7 @@ class HyMCacheTier(RemoteTier):
             if arrived > env.now:
                 yield arrived
             try:
-                finish = self.ctl.write(loc.offset, None, loc.length, self.dev._now())
+                finish = self.ctl.write(loc.offset, None, loc.length, self.dev._now()).finish
             except WriteBufferFull:
                 refused.append(loc.key)
                 finish = env.now + self.refusal_ns

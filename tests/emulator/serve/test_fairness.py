@@ -121,7 +121,7 @@ def test_a_large_read_in_pieces_has_the_modelled_time_of_one_call(server, tmp_pa
     served = c.cq[0].latency_ns
     cfg = load_profile("small").with_overrides({"emulation.data": False})
     alone = Controller(cfg)
-    one_call = alone.read(0, size, 0.0)
+    one_call = alone.read(0, size, 0.0).finish
     # The SSDs, DRAM and the host link serialize as for one call. Only the controller's cycles differ:
     # one call looks up every page before moving any, a piece only its own, so later pieces' lookups
     # overlap earlier pieces' transfers (and each piece pays the per-command cycles).

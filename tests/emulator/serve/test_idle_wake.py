@@ -59,7 +59,7 @@ def test_idle_server_with_dirty_pages_wakes_at_the_flush_deadline(serve, policy,
     srv = serve(policy, overrides)
     assert srv._idle_timeout_ms() is None  # nothing pending: sleep until a client or a signal
     started = flush_starts(srv)
-    srv.floor = srv.ctl.write(0, memoryview(b"x" * 4 * KiB), 4 * KiB, srv.floor)
+    srv.floor = srv.ctl.write(0, memoryview(b"x" * 4 * KiB), 4 * KiB, srv.floor).finish
     written = srv.ctl.dirty[0][1]
     deadline = srv.ctl.next_event_ns(srv.floor)
     assert deadline == pytest.approx(written + DEADLINE_NS, abs=1e-3)

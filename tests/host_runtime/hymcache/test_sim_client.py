@@ -140,14 +140,14 @@ def _load_trace(window_bytes: int, n: int = 16):
     prefetch, read = ctl.prefetch, ctl.read
 
     def traced_prefetch(addr, size, now):
-        handle, ack = prefetch(addr, size, now)
-        issued[handle] = now
-        staged[handle] = ctl.staged[handle].ready_at
-        return handle, ack
+        got = prefetch(addr, size, now)
+        issued[got.handle] = now
+        staged[got.handle] = ctl.staged[got.handle].ready_at
+        return got
 
     def traced_read(addr, length, now, *a, **kw):
         done = read(addr, length, now, *a, **kw)
-        reads.append((now, done))
+        reads.append((now, done.finish))
         return done
 
     ctl.prefetch, ctl.read = traced_prefetch, traced_read
