@@ -45,6 +45,14 @@ TIERS = ("recompute", "gpu-prefix", "lmcache-local", "mooncake-dram", "hymcache"
 NS = 1e9
 
 
+def blocks_per_chunk(chunk_tokens: int, tokens_per_block: int) -> int:
+    """KV blocks in one chunk of a chunked tier (LMCache's, Mooncake's objects)."""
+    if chunk_tokens % tokens_per_block:
+        raise ValueError(f"lmcache.chunk_tokens = {chunk_tokens} must be a multiple of model.tokens_per_block "
+                         f"= {tokens_per_block}")
+    return chunk_tokens // tokens_per_block
+
+
 class Staging:
     """The host's staging buffer (bytes): transfer space between the remote tier and the GPU.
 
@@ -187,10 +195,7 @@ class LMCacheLocal(RemoteTier):
     def __init__(self, env: Env, host: Host, block_bytes: int, tokens_per_block: int, dram_bytes: int,
                  chunk_tokens: int):
         super().__init__(env, host, block_bytes)
-        if chunk_tokens % tokens_per_block:
-            raise ValueError(f"lmcache.chunk_tokens = {chunk_tokens} must be a multiple of model.tokens_per_block "
-                             f"= {tokens_per_block}")
-        self.per_chunk = chunk_tokens // tokens_per_block
+        self.per_chunk = blocks_per_chunk(chunk_tokens, tokens_per_block)
         self.chunk_bytes = self.per_chunk * block_bytes
         self.capacity = dram_bytes // self.chunk_bytes
         if self.capacity < 1:
@@ -392,10 +397,7 @@ class MooncakeTier(RemoteTier):
                  pool: MooncakePool, hosts: list, *, timeout_s: float, insert_timeout_s: float,
                  peer: "MooncakeTier | None" = None):
         super().__init__(env, host, block_bytes)
-        if chunk_tokens % tokens_per_block:
-            raise ValueError(f"lmcache.chunk_tokens = {chunk_tokens} must be a multiple of model.tokens_per_block "
-                             f"= {tokens_per_block}")
-        self.per_chunk = chunk_tokens // tokens_per_block
+        self.per_chunk = blocks_per_chunk(chunk_tokens, tokens_per_block)
         self.chunk_bytes = self.per_chunk * block_bytes
         if pool.chunk_bytes != self.chunk_bytes:
             raise ValueError("the pool's objects and this tier's chunks differ in size")
