@@ -32,3 +32,20 @@ def tiny(media_dir):
     yield make
     for dev in opened:
         dev.close()
+
+
+@pytest.fixture
+def native_hits_served(monkeypatch) -> list[int]:
+    """The pages each call of the native DRAM-hit read served (0: it declined), in call order."""
+    from emulator import controller as controller_mod
+
+    served = []
+    read_hit = controller_mod._read_hit
+
+    def counting_read_hit(*args):
+        pages = read_hit(*args)
+        served.append(pages)
+        return pages
+
+    monkeypatch.setattr(controller_mod, "_read_hit", counting_read_hit)
+    return served

@@ -16,7 +16,6 @@ import time
 import pytest
 
 from emulator import ChmError, Device, load_profile
-from emulator import controller as controller_mod
 from emulator.controller import Controller
 from driver.wire import lib as wire
 from emulator.native import ffi, lib
@@ -108,16 +107,8 @@ def run_workload(ctl: Controller, seed: int, ops: int = 400) -> list:
 
 @pytest.mark.parametrize("data", [True, False], ids=["data", "timing-only"])
 @pytest.mark.parametrize("policy", NATIVE_POLICIES)
-def test_native_hits_end_where_python_ends(tmp_path, monkeypatch, policy, data):
-    served = []
-    read_hit = controller_mod._read_hit
-
-    def counting_read_hit(*args):
-        pages = read_hit(*args)
-        served.append(pages)
-        return pages
-
-    monkeypatch.setattr(controller_mod, "_read_hit", counting_read_hit)
+def test_native_hits_end_where_python_ends(tmp_path, native_hits_served, policy, data):
+    served = native_hits_served
     results = []
     for native in (True, False):
         media = tmp_path / f"media-{native}"
