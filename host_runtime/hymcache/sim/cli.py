@@ -18,6 +18,8 @@ examples:
   chm hymcache simulate --figure 13 --conversations 64 --turns 4 --tiers hymcache,cmm-h
   chm hymcache simulate --figure 10                     # PD 4P-1D-1S, Qwen2.5-32B, ~1.5 TB of reusable KV
   chm hymcache simulate --figure 12                     # Fig. 10's setup, staging 10-40 GB per node
+  chm hymcache simulate --figure 11                     # Fig. 10's setup, Mooncake over NVMe-oF (XFS volumes)
+  chm hymcache simulate --figure 14                     # one node, Qwen2.5-32B, LMCache with Redis over TCP
   chm hymcache simulate --figure 10 --tiers mooncake-dram,hymcache --staging-sweep 10GiB,40GiB
   chm hymcache simulate --figure 10 --client turn-barrier   # a barrier between turns instead of AIPerf's sessions
 """
@@ -32,7 +34,8 @@ def register(sub) -> None:
     description = textwrap.fill(
         "Simulate serving a multi-turn workload in virtual time, on one node or PD-disaggregated (prefill workers, "
         "a decode worker, a storage node): vLLM-like workers (chunked prefill, GPU prefix cache) over one remote KV "
-        "tier at a time (recompute, gpu-prefix, lmcache-local, mooncake-dram: a DRAM pool over RDMA; hymcache: the "
+        "tier at a time (recompute, gpu-prefix, lmcache-local, mooncake-dram: a DRAM pool over RDMA; mooncake-nvmeof: "
+        "SSD volumes behind a file system; lmcache-redis and lmcache-local+redis: a Redis over TCP; hymcache: the "
         "runtime's Master and KV Manager with the emulated device; cmm-h: a stock LRU device).", 100)
     p = sub.add_parser("simulate", help="serving simulation in virtual time (the paper's serving figures)",
                        description=description, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

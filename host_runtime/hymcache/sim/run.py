@@ -33,8 +33,8 @@ from host_runtime.replay.models import get_model
 from .events import Env
 from .gpu import StepModel, load_serving_gpu
 from .gpucache import GpuPrefixCache
-from .tiers import (GpuPrefixTier, HyMCacheTier, Host, LMCacheLocal, MooncakePool, MooncakeTier, Nic, RecomputeTier,
-                    rdma)
+from .tiers import (FsPath, GpuPrefixTier, HyMCacheTier, Host, LMCacheLocal, LMCacheRedis, MooncakeNvmeofTier,
+                    MooncakePool, MooncakeTier, Nic, RecomputeTier, Redis, rdma)
 from .worker import DecodeWorker, Worker, client, session_client
 from .workload import aiperf_conversations, conversations, reusable_footprint_bytes
 
@@ -42,7 +42,7 @@ ROW_FIELDS = ("tier", "turn", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "e2e_ms"
               "skipped_inserts", "recomputed_tokens")
 EXTRA_FIELDS = ("gpu_hit_rate", "reuse_rate", "ttft_mean_ms", "turn_s", "requests", "reusable_tokens",
                 "gpu_hit_tokens", "loaded_tokens", "computed_tokens", "timeouts", "base_tier", "staging_bytes")
-USES_STAGING = ("mooncake-dram", "hymcache", "cmm-h")  # tiers whose transfers go through the staging buffer
+USES_STAGING = ("mooncake-dram", "mooncake-nvmeof", "hymcache", "cmm-h")  # tiers whose transfers go through the staging buffer
 
 
 def device_config(profile: str, dram_bytes: int, policy: str | None = None, link_gbps: float | None = None):
@@ -92,6 +92,30 @@ def make_tiers(name: str, env: Env, hosts: list[Host], s: dict, block_bytes: int
                                     timeout_s=s["tiers.load_timeout_s"], insert_timeout_s=s["mooncake.insert_timeout_s"],
                                     peer=out[0] if out else None))
         return out
+    if name == "mooncake-nvmeof":  # per node: its own volume and file-system path; one storage node NIC
+        chunk_bytes = s["lmcache.chunk_tokens"] // B * block_bytes
+        storage_nic = Nic("storage", s["topology.storage_gbps"], s["topology.rdma_latency_ns"])
+        out = []
+        for h in hosts:
+            volume = MooncakePool(1, s["nvmeof.capacity"] // len(hosts), chunk_bytes,
+                                  high_watermark=s["mooncake.high_watermark"], eviction_ratio=s["mooncake.eviction_ratio"],
+                                  lease_s=s["mooncake.lease_s"], seed=s["workload.seed"])
+            fs = FsPath(f"xfs{h.index}", s["nvmeof.fs_gb_per_s"], s["nvmeof.fs_op_us"] * 1e3)
+            out.append(MooncakeNvmeofTier(env, h, block_bytes, B, s["lmcache.chunk_tokens"], volume, fs, storage_nic,
+                                          timeout_s=s["tiers.load_timeout_s"],
+                                          insert_timeout_s=s["mooncake.insert_timeout_s"],
+                                          peer=out[0] if out else None))
+        return out
+    if name in ("lmcache-redis", "lmcache-local+redis"):  # one Redis for the deployment; local DRAM per worker
+        chunk_bytes = s["lmcache.chunk_tokens"] // B * block_bytes
+        redis = Redis(env, s["redis.capacity"], chunk_bytes, policy=s["redis.policy"], gbps=s["redis.gbps"],
+                      latency_ns=s["redis.latency_us"] * 1e3)
+        local = name == "lmcache-local+redis"
+        return [LMCacheRedis(env, h, block_bytes, B, s["lmcache.chunk_tokens"], redis,
+                             timeout_s=s["tiers.load_timeout_s"], name=name,
+                             local=LMCacheLocal(env, h, block_bytes, B, s["tiers.dram"], s["lmcache.chunk_tokens"])
+                             if local else None)
+                for h in hosts]
     if name in ("hymcache", "cmm-h"):
         hym = name == "hymcache"
         cfg = device_config(s["hymcache.profile" if hym else "cmm-h.profile"], s["tiers.dram"],

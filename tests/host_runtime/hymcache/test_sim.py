@@ -237,7 +237,7 @@ def test_workload_histories_grow_and_reuse_the_previous_turn():
 
 # ---------------------------------------------------------------------------- the preset and the command
 def test_every_preset_number_names_its_source():
-    tags = re.compile(r"#\s*\[(paper|LMSYS|vLLM|LMCache|runtime|assumption|AIPerf|Mooncake)\]")
+    tags = re.compile(r"#\s*\[(paper|LMSYS|vLLM|LMCache|runtime|assumption|AIPerf|Mooncake|Redis)\]")
     for line in preset_path(13).read_text().splitlines():
         if "=" in line and not line.lstrip().startswith("#") and not line.startswith(("number", "title")):
             assert tags.search(line), f"no source on: {line}"

@@ -232,11 +232,11 @@ def test_a_shared_prefix_is_one_set_of_keys_across_conversations():
 
 
 # ---------------------------------------------------------------------------- presets and the sweep
-def test_fig10_and_fig12_presets_are_complete_and_every_number_is_sourced():
+def test_fig10_to_fig14_presets_are_complete_and_every_number_is_sourced():
     import re
 
-    tags = re.compile(r"#\s*\[(paper|LMSYS|vLLM|LMCache|runtime|assumption|AIPerf|Mooncake)\]")
-    for fig in (10, 12, 13):
+    tags = re.compile(r"#\s*\[(paper|LMSYS|vLLM|LMCache|runtime|assumption|AIPerf|Mooncake|Redis)\]")
+    for fig in (10, 11, 12, 13, 14):
         s = load_settings(preset_path(fig))
         assert {f.key for f in FIELDS} <= set(s)
         for line in preset_path(fig).read_text().splitlines():
