@@ -192,7 +192,27 @@ class RecomputeTier(RemoteTier):
 
 
 # ---------------------------------------------------------------------------------------- LMCache, local DRAM
-class LMCacheLocal(RemoteTier):
+class _CopiedOffGpu:
+    """A chunked host-side tier's stores: the chunks a request will store are copied off the GPU during its
+    forward (``reserve_store``, as ``save_kv_layer``); ``store`` waits for the last copy to land."""
+
+    def _copy_off_gpu(self, req, new: list) -> None:
+        if new:
+            arrivals = self.host.d2h.stream([self.env.now] * len(new), [self.chunk_bytes] * len(new))
+            self._pending[req.rid] = (new, arrivals[-1])
+
+    def _copied(self, req):
+        """Process: the chunks ``req`` reserved, once they are in host memory ([] if none)."""
+        pending = self._pending.pop(req.rid, None)
+        if pending is None:
+            return []
+        new, done = pending
+        if done > self.env.now:
+            yield done
+        return new
+
+
+class LMCacheLocal(_CopiedOffGpu, RemoteTier):
     """LMCache's local CPU backend on each worker: ``dram_bytes`` of pinned host memory, LRU, chunks of
     ``chunk_tokens`` tokens. A request reuses the chunks present as one unbroken chain from the first:
     once LRU has evicted an early chunk, nothing after it is reusable (LMCache looks up prefixes).
@@ -270,19 +290,10 @@ class LMCacheLocal(RemoteTier):
 
     def reserve_store(self, req) -> None:
         full = req.full_blocks // self.per_chunk
-        new = [self._ckey(req, c) for c in range(full) if self._ckey(req, c) not in self.lru]
-        if not new:
-            return
-        arrivals = self.host.d2h.stream([self.env.now] * len(new), [self.chunk_bytes] * len(new))
-        self._pending[req.rid] = (new, arrivals[-1])
+        self._copy_off_gpu(req, [self._ckey(req, c) for c in range(full) if self._ckey(req, c) not in self.lru])
 
     def store(self, req):
-        pending = self._pending.pop(req.rid, None)
-        if pending is None:
-            return
-        new, done = pending
-        if done > self.env.now:
-            yield done
+        new = yield from self._copied(req)
         for key in new:
             if key in self.lru:
                 continue  # present: not touched, not written again
@@ -656,7 +667,7 @@ class Redis:
         return self.pipe.transfer(self.env.now, self.chunk_bytes)
 
 
-class LMCacheRedis(RemoteTier):
+class LMCacheRedis(_CopiedOffGpu, RemoteTier):
     """LMCache with a Redis remote backend, alone (``lmcache-redis``, ``local_cpu: False``) or behind its local
     CPU backend (``lmcache-local+redis``: ``local``, an ``LMCacheLocal``, looked up first).
 
@@ -744,18 +755,10 @@ class LMCacheRedis(RemoteTier):
         P = self.per_chunk
         new = [k for k in (chunk_key(req, c, P) for c in range(req.full_blocks // P))
                if not self._has(k) and not self.redis.pending(k)]
-        if not new:
-            return
-        arrivals = self.host.d2h.stream([self.env.now] * len(new), [self.chunk_bytes] * len(new))
-        self._pending[req.rid] = (new, arrivals[-1])
+        self._copy_off_gpu(req, new)
 
     def store(self, req):
-        pending = self._pending.pop(req.rid, None)
-        if pending is None:
-            return
-        new, done = pending
-        if done > self.env.now:
-            yield done
+        new = yield from self._copied(req)
         local, redis = self.local, self.redis
         for key in new:
             if local is not None and key not in local.lru and local.insert(key):
