@@ -278,6 +278,15 @@ def _check_consistency(cfg: Config) -> None:
     policy_class(cfg.policy.name).check_config(cfg, need)  # the policy's own rules (sizes its structures need)
 
 
+def parse_field_value(text: str) -> Any:
+    """A field's value as typed on a command line (``--set``, ``--sweep``): parsed as TOML, so ``1e6``,
+    ``true`` and ``"lru"`` work; a bare word that is not TOML is the string itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def profile_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files(__package__).joinpath("profiles").iterdir()
                   if p.name.endswith(".toml"))

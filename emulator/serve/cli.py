@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 from emulator import cli
-from emulator.config import FIELDS_BY_KEY, load_profile
+from emulator.config import FIELDS_BY_KEY, load_profile, parse_field_value
 from emulator.controller import DRAIN_TIMEOUT_S
 from emulator.errors import ChmError
 
@@ -18,16 +18,10 @@ from driver.wire import DEFAULT_NODE, NodeError
 
 def parse_override(text: str) -> tuple[str, object]:
     """``section.field=value``; the value is parsed as TOML (so 1e6, true, "lru" work)."""
-    import tomllib
-
     key, sep, value = text.partition("=")
     if not sep or "." not in key:
         raise argparse.ArgumentTypeError(f"--set {text!r}: expected section.field=value, e.g. dram.size_bytes=134217728")
-    try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        parsed = value  # a bare word: a string
-    return key.strip(), parsed
+    return key.strip(), parse_field_value(value)
 
 
 def _policy_name(text: str) -> str:

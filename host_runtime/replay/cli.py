@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tomllib
 from pathlib import Path
 
 from emulator.cli import UsageError, float_in, int_at_least
-from emulator.config import FIELDS_BY_KEY, load_profile
+from emulator.config import FIELDS_BY_KEY, load_profile, parse_field_value
 from emulator.errors import ConfigError
 
 from .driver import DEFAULT_WINDOW_BYTES, VARIANTS, Replay, replay_config
@@ -171,10 +170,7 @@ def _overrides(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise UsageError(f"--set {item!r} must be KEY=VALUE (e.g. dram.size_bytes=1073741824)")
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = value.strip()
+        out[key.strip()] = parse_field_value(value.strip())
     return out
 
 

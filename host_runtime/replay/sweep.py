@@ -17,13 +17,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import tomllib
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
 from emulator.cli import UsageError
-from emulator.config import FIELDS_BY_KEY
+from emulator.config import FIELDS_BY_KEY, parse_field_value
 from emulator.errors import ConfigError
 
 from .driver import VARIANTS
@@ -53,10 +52,7 @@ def _profile_value(key: str, text: str, where: str) -> Any:
     if field.kind is int and key.endswith("_bytes"):
         value: Any = parse_bytes(text, where)
     else:
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text
+        value = parse_field_value(text)
     try:
         return field.check(value, where)
     except ConfigError as exc:
