@@ -97,6 +97,14 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         return 130
 
 
+def run_subcommand(register, command: str, argv: list[str] | None = None) -> int:
+    """``chm COMMAND ...`` with only ``register``'s subcommands loaded (``python -m`` of a component: a faster
+    start than ``chm``, which loads every component's)."""
+    parser = ChmArgumentParser(prog="chm")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return run(parser, [command, *(sys.argv[1:] if argv is None else argv)])
+
+
 def int_at_least(lo: int):
     """An argparse ``type=``: an int >= ``lo`` (a bad value is a usage error naming the value and the bound)."""
     def parse(text: str) -> int:

@@ -103,9 +103,7 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m emulator.serve ...``: ``chm serve`` without loading every other subcommand."""
-    parser = cli.ChmArgumentParser(prog="chm")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return cli.run(parser, ["serve", *(sys.argv[1:] if argv is None else argv)])
+    return cli.run_subcommand(register, "serve", argv)
 
 
 if __name__ == "__main__":

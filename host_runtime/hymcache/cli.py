@@ -701,9 +701,7 @@ def _as_dict(row) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m host_runtime.hymcache.cli ...``: ``chm hymcache`` without loading every other subcommand."""
-    parser = cli.ChmArgumentParser(prog="chm")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return cli.run(parser, ["hymcache", *(sys.argv[1:] if argv is None else argv)])
+    return cli.run_subcommand(register, "hymcache", argv)
 
 
 if __name__ == "__main__":
