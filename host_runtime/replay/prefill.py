@@ -54,6 +54,14 @@ class GpuProfile:
         return self.peak_flops * self.mfu * self.count
 
 
+def read_toml(path: Path) -> dict:
+    """A TOML file's table; a file that is not TOML is a ValueError naming it (profiles, presets)."""
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not TOML: {exc}") from None
+
+
 def gpu_names() -> list[str]:
     return sorted(p.stem for p in GPU_DIR.glob("*.toml"))
 
@@ -65,10 +73,7 @@ def load_gpu(name_or_path: str = DEFAULT_GPU) -> GpuProfile:
         path = GPU_DIR / f"{name_or_path}.toml"
     if not path.is_file():
         raise ValueError(f"gpu = {name_or_path!r} is neither a TOML file nor one of {', '.join(gpu_names())}")
-    try:
-        table = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not TOML: {exc}") from None
+    table = read_toml(path)
 
     def field(key, kind, ok, rule):
         if key not in table:

@@ -8,12 +8,12 @@ Presets live in ``presets/figNN.toml``; every number there names its source.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from host_runtime.replay.models import MODELS, parse_bytes
+from host_runtime.replay.prefill import read_toml
 
 from .tiers import TIERS
 
@@ -214,10 +214,7 @@ def load_settings(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"preset {str(path)!r} does not exist")
-    try:
-        table = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not TOML: {exc}") from None
+    table = read_toml(path)
     out: dict[str, Any] = {}
     for section, fields in table.items():
         if section == "figure":

@@ -23,12 +23,11 @@ model card.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from host_runtime.replay.models import KvModel
-from host_runtime.replay.prefill import PrefillModel, load_gpu
+from host_runtime.replay.prefill import PrefillModel, load_gpu, read_toml
 
 GPU_DIR = Path(__file__).with_name("gpus")
 
@@ -67,7 +66,7 @@ def load_serving_gpu(name: str) -> ServingGpu:
     path = GPU_DIR / f"{name}.toml"
     if not path.is_file():
         raise ValueError(f"gpu.profile = {name!r} is not one of {', '.join(gpu_names())}")
-    table = tomllib.loads(path.read_text())
+    table = read_toml(path)
 
     def num(key, lo, hi):
         v = table.get(key)
