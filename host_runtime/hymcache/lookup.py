@@ -3,7 +3,9 @@
 After the engine's own prefix cache, the unmatched blocks' keys go to the Master in batches of at
 most 32, one batch at a time, without waiting for the whole request: as soon as a batch's answer
 names a node for the first time, the Lookup sends that node's KV Manager a prefetch hint with the
-candidate keys from that hit on (the Manager resolves and stages them itself), and keeps looking.
+candidate keys from that hit on, and the Master's descriptors of the batch's hits among them, and
+keeps looking. The Manager resolves the keys itself (its answer decides what it hands out), but
+starts staging from the descriptors at once, so its own Master round trip overlaps the staging.
 The Master answers the longest stored prefix of each batch, so a batch that comes back short ends
 the request's lookup.
 
@@ -209,7 +211,7 @@ class Lookup:
                     job.found.extend(found)
                     job.next = start + len(batch)
                 for node, first in new_nodes:  # hint the node's Manager before asking for the next batch
-                    self._hint(managers, master, node, job.request_id, job.keys[first:])
+                    self._hint(managers, master, node, job.request_id, job.keys[first:], found[first - start:])
                 with self._cond:
                     if len(found) < len(batch) or job.next >= len(job.keys):
                         self._finish(job, None)
@@ -222,12 +224,15 @@ class Lookup:
                 except Exception:
                     pass
 
-    def _hint(self, managers: dict, master, node: int, request_id: str, keys: list[bytes]) -> None:
+    def _hint(self, managers: dict, master, node: int, request_id: str, keys: list[bytes],
+              locs: list[BlockLoc]) -> None:
+        """Hint ``keys`` to ``node``'s Manager, with the descriptors the Master gave for the first of them
+        (``locs``): the Manager starts staging those before its own lookup confirms them."""
         try:
             manager = managers.get(node)
             if manager is None:
                 manager = managers[node] = self._manager(node, master)
-            manager.hint(request_id, keys[:MAX_HINT_KEYS])
+            manager.hint(request_id, keys[:MAX_HINT_KEYS], locs[:MAX_HINT_KEYS])
             with self._cond:
                 self.counters["hints_sent"] += 1
         except Exception as exc:  # the Manager down: the worker's acquire fails later and it recomputes

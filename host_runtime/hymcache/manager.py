@@ -41,6 +41,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+import msgspec
 import zmq
 import zmq.utils.monitor
 
@@ -124,11 +125,12 @@ QUEUED, ISSUED, STAGED, RELEASED, FAILED = "queued", "issued", "staged", "releas
 
 
 class _Block:
-    __slots__ = ("loc", "state", "handle", "error", "epoch")
+    __slots__ = ("loc", "state", "handle", "error", "epoch", "confirmed")
 
-    def __init__(self, loc: BlockLoc, epoch: int):
+    def __init__(self, loc: BlockLoc, epoch: int, confirmed: bool = True):
         self.loc, self.state, self.handle, self.error = loc, QUEUED, 0, None
         self.epoch = epoch  # its device's epoch when the Master gave the location: another one makes it stale
+        self.confirmed = confirmed  # False: from the hint's descriptors, until this Manager's own lookup agrees
 
 
 class _Request:
@@ -190,7 +192,7 @@ class KVManager:
         self._check_at = [0.0] * len(self.handles)  # clock time of each device's next reopen / restart check
         self._gone_why = [""] * len(self.handles)   # why a gone device is not back (its ENODEV says it)
         self.counters = dict.fromkeys((
-            "hints", "hinted_keys", "hint_hits", "hint_other_node", "num_retrieve_requests", "num_hit_tokens",
+            "hints", "hinted_keys", "hint_hits", "hint_other_node", "hint_locs_used", "hint_locs_unconfirmed", "num_retrieve_requests", "num_hit_tokens",
             "prefetches", "ebusy", "unfit", "releases", "num_load_errors", "finished", "num_timeouts_recompute",
             "cancelled_disconnect", "remote_reads", "remote_read_bytes", "remote_writes", "remote_write_bytes",
             "write_refused", "devices_gone", "devices_reopened", "devices_new_epoch"), 0)
@@ -320,10 +322,17 @@ class KVManager:
             self._gone(i, exc)
 
     # ---- hints ---------------------------------------------------------------------
-    def hint(self, request_id: str, keys: list[bytes]) -> int:
+    def hint(self, request_id: str, keys: list[bytes], locs: list | None = None) -> int:
         """Stage ``keys``' blocks stored on this node, in this order, a window at a time; how many it will stage
-        (a block the device then fails to stage reports its error at ``acquire``)."""
+        (a block the device then fails to stage reports its error at ``acquire``).
+
+        ``locs``: the descriptors the Lookup's own Master lookup gave for the first keys (``locs[i]`` is
+        ``keys[i]``'s). Those on this node start staging at once, before this Manager's own lookup -- which
+        stays the authority: no block is handed out before the Master has confirmed its descriptor here, and
+        if the answers differ every unconfirmed staging is released and the Master's answer is staged instead
+        (``hint_locs_unconfirmed``). The Manager's Master round trip is then off the load's critical path."""
         request_id, keys = _check_request_id(request_id), _check_keys(keys)
+        locs = self._check_hint_locs(keys, locs)
         with self._lock:
             if request_id in self.requests:
                 raise ChmError(errno.EEXIST, f"request_id {request_id!r} already has a hint here; finish() it first")
@@ -332,18 +341,75 @@ class KVManager:
             self.counters["hints"] += 1
             self.counters["hinted_keys"] += len(keys)
             try:
+                if locs:
+                    self._speculate(req, locs)
+                confirmed: list[BlockLoc] = []
                 for start in range(0, len(keys), self.batch):
                     batch = keys[start:start + self.batch]
-                    found = self.master.lookup(batch)
+                    found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in self.master.lookup(batch)]
+                    confirmed.extend(found)
                     self._add_hits(req, found)
                     self._issue(req)  # the first blocks go to the device before the next batch is resolved
                     if len(found) < len(batch):
                         break  # the stored prefix ends in this batch
+                if locs and not self._as_confirmed(req, confirmed):
+                    self._restart(req, confirmed)
             except Exception:
                 self._cancel(req)  # the Master unreachable (or a bad answer): nothing of this request stays held
                 raise
             self._changed.notify_all()
             return len(req.blocks)
+
+    def _check_hint_locs(self, keys: list[bytes], locs) -> list[BlockLoc]:
+        if locs is None:
+            return []
+        try:
+            locs = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in locs]
+        except (TypeError, ValueError, msgspec.ValidationError) as exc:
+            raise ChmError(errno.EINVAL, f"locs must be a list of block descriptors (BlockLoc): {exc}") from None
+        if len(locs) > len(keys):
+            raise ChmError(errno.EINVAL, f"locs has {len(locs)} descriptors for {len(keys)} keys")
+        for i, loc in enumerate(locs):
+            if loc.key != keys[i]:
+                raise ChmError(errno.EINVAL, f"locs[{i}] describes key {loc.key.hex()}, not keys[{i}] "
+                                             f"{keys[i].hex()}")
+        return locs
+
+    def _speculate(self, req: _Request, locs: list[BlockLoc]) -> None:
+        """Stage the hint's own descriptors of this node's blocks now, unconfirmed (see ``hint``)."""
+        for loc in locs:
+            if loc.node != self.node or not 0 <= loc.device < len(self.handles) or loc.key in req.by_key:
+                continue
+            if loc.offset < 0 or loc.length <= 0 or loc.offset + loc.length > self.infos[loc.device].capacity_bytes:
+                continue  # no place on that device: only the Master's answer counts
+            if not req.blocks:  # the window in blocks follows the request's block size
+                req.window = window_blocks(self.window_bytes, loc.length)
+            block = _Block(loc, self.infos[loc.device].epoch, confirmed=False)
+            req.blocks.append(block)
+            req.by_key[loc.key] = block
+            self.counters["hint_locs_used"] += 1
+        self._issue(req)
+
+    def _as_confirmed(self, req: _Request, confirmed: list[BlockLoc]) -> bool:
+        """``req``'s blocks are exactly this node's part of the Master's answer, in its order, each confirmed."""
+        local, seen = [], set()
+        for loc in confirmed:
+            if loc.node == self.node and 0 <= loc.device < len(self.handles) and loc.key not in seen:
+                seen.add(loc.key)
+                local.append(loc)
+        return all(block.confirmed for block in req.blocks) and [block.loc for block in req.blocks] == local
+
+    def _restart(self, req: _Request, confirmed: list[BlockLoc]) -> None:
+        """The Master did not confirm every descriptor the hint brought: release each staging of the request
+        and stage from the Master's answer alone."""
+        self.counters["hint_locs_unconfirmed"] += sum(not block.confirmed for block in req.blocks)
+        for block in req.blocks:
+            self._drop(req, block)
+        req.blocks, req.by_key, req.next_issue, req.held = [], {}, 0, 0
+        counted = self.counters["hint_hits"], self.counters["hint_other_node"]
+        self._add_hits(req, confirmed)
+        self.counters["hint_hits"], self.counters["hint_other_node"] = counted  # counted once, as they came
+        self._issue(req)
 
     def _add_hits(self, req: _Request, found: list) -> None:
         for loc in found:
@@ -352,8 +418,11 @@ class KVManager:
             if loc.node != self.node or not 0 <= loc.device < len(self.handles):
                 self.counters["hint_other_node"] += 1  # another node's Manager stages it (Lookup hints it too)
                 continue
-            if loc.key in req.by_key:
-                continue
+            known = req.by_key.get(loc.key)
+            if known is not None:
+                if not known.confirmed and known.loc == loc and known.epoch == self.infos[loc.device].epoch:
+                    known.confirmed = True  # the hint's descriptor is the Master's: its staging stands
+                continue  # (one the Master does not confirm stays unconfirmed: hint() starts over)
             if not req.blocks:  # the window in blocks follows the request's block size
                 req.window = window_blocks(self.window_bytes, loc.length)
             block = _Block(loc, self.infos[loc.device].epoch)
@@ -734,8 +803,8 @@ class ManagerClient(TypedClient):
         self.endpoint, self.clock = endpoint, clock or WallClock()
         self.poll_s = _check_seconds("poll_s", poll_s, allow_zero=False)
 
-    def hint(self, request_id: str, keys: list[bytes]) -> int:
-        return self.rpc.call("hint", request_id, list(keys))
+    def hint(self, request_id: str, keys: list[bytes], locs: list[BlockLoc] | None = None) -> int:
+        return self.rpc.call("hint", request_id, list(keys), None if locs is None else list(locs))
 
     def _poll(self, method: str, request_id: str, key: bytes, timeout_s: float):
         timeout_s = _check_seconds("timeout_s", timeout_s)

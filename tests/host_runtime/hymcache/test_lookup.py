@@ -50,8 +50,9 @@ class RecordingManager:
     def __init__(self, node: int, events: list):
         self.node, self.events = node, events
 
-    def hint(self, request_id, keys):
+    def hint(self, request_id, keys, locs=None):
         self.events.append(("hint", self.node, request_id, list(keys)))
+        self.locs = list(locs or [])
         return len(keys)
 
 
@@ -82,6 +83,20 @@ def test_batches_of_32_in_order_and_a_hint_before_the_next_batch():
     assert events[1][3] == keys and events[3][3] == keys[40:]
     stats = lookup.stats()
     assert stats["lookup_batches"] == 3 and stats["num_lookup_hits"] == 70 and stats["hints_sent"] == 2
+
+
+def test_the_hint_carries_the_masters_descriptors_of_the_batch():
+    keys = keys_(100)
+    stored = {k: 0 for k in keys[:40]} | {k: 1 for k in keys[40:70]}
+    events, managers = [], {}
+    master = ScriptedMaster(stored, events)
+    with Lookup(master, lambda n: managers.setdefault(n, RecordingManager(n, events)), ManualClock()) as lookup:
+        lookup.start("r", keys)
+        found = lookup.result("r", 10)
+    # each hint: the descriptors the Master gave in the batch that named the node, from its first hit on,
+    # aligned with the hinted keys (locs[i] describes keys[i]), so the Manager can start staging them
+    assert managers[0].locs == found[:32] and [loc.key for loc in managers[0].locs] == keys[:32]
+    assert managers[1].locs == found[40:64] and [loc.key for loc in managers[1].locs] == keys[40:64]
 
 
 def test_no_hit_no_hint():

@@ -150,6 +150,81 @@ def test_blocks_on_other_nodes_are_left_to_their_manager(setup):
     assert mgr.stats()["hint_other_node"] == 1
 
 
+class StagingWatchingMaster(RecordingMaster):
+    """The spy Master, also noting how many prefetches the Manager had issued when each lookup came."""
+
+    def __init__(self, master: Master, mgr_box: list):
+        super().__init__(master)
+        self.mgr_box, self.prefetches_at_lookup = mgr_box, []
+
+    def lookup(self, keys):
+        if self.mgr_box:
+            self.prefetches_at_lookup.append(self.mgr_box[0].counters["prefetches"])
+        return super().lookup(keys)
+
+
+def test_hint_with_the_lookups_descriptors_stages_before_its_own_lookup(two_devices):
+    clock = ManualClock()
+    box: list = []
+    master = StagingWatchingMaster(Master(clock), box)
+    path = str(two_devices[0].path)
+    with KVManager(0, [two_devices[0].node], master, clock, window_bytes=3 * BLOCK) as mgr:
+        keys, data, _ = store(master, {0: path}, 5)
+        locs = master.master.lookup(keys)
+        box.append(mgr)
+        assert mgr.hint("r", keys, locs[:4]) == 5
+        # the window's 3 blocks went to the device before the Manager asked the Master; the Master agreed
+        assert master.prefetches_at_lookup == [3]
+        assert mgr.stats()["hint_locs_used"] == 4 and mgr.stats()["hint_locs_unconfirmed"] == 0
+        assert mgr.stats()["hint_hits"] == 5
+        with libchm.Device(path) as probe:
+            for key, block in zip(keys, data):
+                token = mgr.acquire("r", key, timeout_s=0)
+                assert probe.read(token.offset, token.length) == block
+                mgr.release("r", key)
+        assert pages_held(path) == 0
+
+
+def test_descriptors_the_master_does_not_confirm_are_dropped(two_devices):
+    clock = ManualClock()
+    master = Master(clock)
+    path = str(two_devices[0].path)
+    with KVManager(0, [two_devices[0].node], master, clock, window_bytes=3 * BLOCK) as mgr:
+        keys, data, _ = store(master, {0: path}, 4)
+        locs = master.lookup(keys)
+        lying = list(locs)
+        # a worker's stale (or lying) descriptor of block 1: another place on the device, another checksum
+        lying[1] = type(locs[1])(locs[1].key, 0, 0, locs[3].offset, BLOCK, 12345, locs[1].version)
+        removed = keys[3]
+        master.remove([removed])  # and the Master no longer has block 3 at all
+        assert mgr.hint("r", keys, lying) == 3
+        stats = mgr.stats()
+        assert stats["hint_locs_unconfirmed"] == 2 and stats["hint_hits"] == 3  # blocks 1 and 3
+        with libchm.Device(path) as probe:
+            for key, block, loc in zip(keys[:3], data, locs):
+                token = mgr.acquire("r", key, timeout_s=0)
+                assert (token.offset, token.checksum) == (loc.offset, loc.checksum)  # the Master's, not the hint's
+                assert probe.read(token.offset, token.length) == block
+                mgr.release("r", key)
+        with pytest.raises(ChmError) as e:
+            mgr.acquire("r", removed, 0)
+        assert e.value.errno == errno.ENOENT
+        assert pages_held(path) == 0  # every staging of the unconfirmed descriptors was released
+
+
+def test_bad_hint_descriptors_are_refused(setup):
+    master, _, mgr, paths = setup
+    keys, _, _ = store(master, paths, 2)
+    locs = master.lookup(keys)
+    for locs_arg, text in (([["junk"]], "locs must be a list of block descriptors"),
+                           (locs + locs, "locs has 4 descriptors for 2 keys"),
+                           (locs[::-1], "locs[0] describes key")):
+        with pytest.raises(ChmError) as e:
+            mgr.hint("bad", keys, locs_arg)
+        assert e.value.errno == errno.EINVAL and text in e.value.message
+    assert "bad" not in mgr.requests
+
+
 def test_finish_releases_every_handle(setup):
     master, _, mgr, paths = setup
     keys, _, (device,) = store(master, paths, 6)
