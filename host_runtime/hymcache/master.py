@@ -38,7 +38,10 @@ the first freed extent large enough, taken in the order extents were freed
 (from the extent's end, so the rest keeps its place). A freed extent merges
 with free neighbours; the merged extent counts as freed now. A live block's
 bytes are never handed out again: only freed extents are, and a block removed
-while leased is freed when its lease ends. ``fragmentation`` in stats() is
+while leased is freed when its lease ends. A put revoked at its timeout is
+freed one more put timeout later: its writer may be slow rather than gone, and
+its late writes must not land on another request's block (a put the writer
+revokes itself is freed at once). ``fragmentation`` in stats() is
 1 - largest free extent / free bytes (the region after the head counts as one
 extent): 0 when all free space is one run, near 1 when shattered.
 
@@ -406,11 +409,15 @@ class Master:
         r = self._table[row]
         self._device(int(r["node"]), int(r["device"])).free(int(r["offset"]), int(r["length"]))
 
-    def _drop(self, key: bytes, now_ms: int, leased: bool | None = None) -> None:
+    def _drop(self, key: bytes, now_ms: int, leased: bool | None = None, hold_until_ms: int | None = None) -> None:
         """``key`` leaves the index; its space is freed now, or when its read lease ends (``leased``:
-        given by journal replay, which has no leases)."""
+        given by journal replay, which has no leases), or at ``hold_until_ms`` (a put that timed out: see
+        ``_expire``)."""
         row = self._index.pop(key)
         self._pending.pop(row, None)
+        if hold_until_ms is not None:
+            self._table["lease_until"][row] = hold_until_ms
+            leased = True
         if leased is None:
             leased = bool(self._table["state"][row] == COMPLETE and self._table["lease_until"][row] > now_ms)
         self._log(_DropRec(key, not leased))
@@ -704,7 +711,9 @@ class Master:
             row = next(iter(self._pending))
             if t["put_deadline"][row] > now:
                 break
-            self._drop(t["key"][row].tobytes(), now)
+            # Its writer may still be writing (slow, not dead): the extent waits one more put timeout before
+            # it can be handed out again, so a late write lands on no other request's block.
+            self._drop(t["key"][row].tobytes(), now, hold_until_ms=now + self._put_timeout_ms)
             self.counters["revoked_blocks"] += 1
         if self._draining:
             for extent, row in list(self._draining.items()):

@@ -114,10 +114,41 @@ def test_put_start_without_put_end_is_revoked_after_the_timeout():
     clock.advance(0.2)
     assert m.put_end([key(0)], [5]) == 0                  # too late: revoked
     s = m.stats()
-    assert s["revoked_blocks"] == 1 and device_space(m)["used_bytes"] == 0
+    # its writer may still be writing: the extent is held one more put timeout before it is free
+    assert s["revoked_blocks"] == 1 and device_space(m)["used_bytes"] == 100
     again = m.put_start("r3", [key(0)], [100])[0]
     assert again.offset == first.offset + 100            # append-only: not back over the revoked extent
     assert m.put_revoke([key(0), key(5)]) == 1 and m.stats()["revoked_blocks"] == 2
+    assert device_space(m)["used_bytes"] == 100          # revoked by its writer: freed at once
+    clock.advance(29.9)
+    m.expire()
+    assert device_space(m)["used_bytes"] == 100
+    clock.advance(0.2)
+    m.expire()
+    assert device_space(m)["used_bytes"] == 0
+
+
+def test_a_timed_out_puts_extent_is_not_handed_out_while_its_writer_may_still_write():
+    clock = ManualClock()
+    m = make(clock, nodes=1, devices=1, capacity=300, put_timeout_s=30.0, high_watermark=1.0, low_watermark=1.0)
+    slow = m.put_start("slow", [key(0)], [100])[0]
+    m.put_start("fill", [key(1), key(2)], [100, 100])         # the device is full
+    m.put_end([key(1), key(2)], [1, 1])
+    m.remove([key(1), key(2)])
+    clock.advance(31)                                           # the slow writer's put times out
+    m.expire()
+    # the freed extents come first, the slow writer's only after one more put timeout
+    taken = [m.put_start(f"n{i}", [key(10 + i)], [100])[0] for i in range(2)]
+    assert slow.offset not in {loc.offset for loc in taken}
+    with pytest.raises(ChmError) as e:
+        m.put_start("n2", [key(12)], [100])                     # only the held extent is left
+    assert e.value.errno == errno.ENOSPC
+    m.put_revoke([key(10), key(11)])
+    clock.advance(30)
+    m.expire()
+    assert device_space(m)["used_bytes"] == 0                  # one more put timeout: free again
+    later = m.put_start("later", [key(20), key(21), key(22)], [100] * 3)
+    assert slow.offset in {loc.offset for loc in later}
 
 
 def test_a_late_put_end_or_revoke_does_not_touch_another_requests_put_of_the_same_key():
@@ -351,6 +382,8 @@ def test_leases_and_put_timeouts_hold_across_months_of_uptime():
         clock.advance(2)
         m.expire()
         assert m.put_end([key(1)], [1]) == 0                  # revoked after 30 s
+        clock.advance(30)
+        m.expire()                                            # and its extent free 30 s later
         assert m.lookup([key(0)])
         _over_watermark_with_pending(m, 100, 9)
         clock.advance(9.9)
