@@ -21,6 +21,18 @@ native frame tables: the same steps as ``read`` below, over the same state (``re
 ``chm serve`` calls it straight from its C loop; its counts reach ``stats`` at the next read or
 ``snapshot``.
 
+Native sequential path. ``run_sequential(kinds, addrs, lengths, now)`` runs a list of operations one after
+another, as ``chm replay --sequential`` issues them: a read (``read(addr, length, now)``, then ``now`` is its
+finish) or a write followed by a flush (``write(addr, None, length, now)``, then ``now = flush(finish)``).
+With data off, a built-in frame-table policy without a write buffer (lru, fifo, clock, s3fifo, sieve) and the
+device settled (nothing dirty or in flight, no frame pinned, no prefetch held, no media or staging-read
+error), ``chm_dev_run_sequential`` (emulator/native/chm_core.c) runs them in C over the same state: the
+frame table, ``ready_at``, ``write_seq``, the timing pipes and SSD models, the latency histograms, and the
+counts it folds into ``stats`` at the end, so the device is left exactly as those calls would leave it.
+Otherwise (hymcache, libcachesim:*, a plug-in; data on; an unsettled device, until a write's flush settles
+it; an operation the device refuses, which then raises as its call does) the operations go through those
+calls one by one, in Python.
+
 Outcomes. ``read``, ``write`` and ``prefetch`` return what they did (``ReadOutcome``, ``WriteOutcome``,
 ``PrefetchOutcome``): the finish (or acknowledgement) time and the pages they counted in ``stats``, so a
 caller never diffs ``stats`` nor looks into the policy or the prefetch engine. A refused write raises
@@ -94,6 +106,83 @@ class PrefetchOutcome(NamedTuple):
     staged_pages: int
     resident_pages: int
     window_pages_held: int
+
+
+class SequentialOutcome(NamedTuple):
+    """What ``run_sequential`` did: when the last operation finished, the pages its writes needed a new frame
+    for (their ``WriteOutcome.new_pages``, summed: with the reads' ``page_misses``, the cache misses), and
+    how many of the operations the native path ran (the others went through read, write and flush)."""
+
+    finish: float
+    write_misses: int
+    native_ops: int
+
+
+SEQ_READ, SEQ_WRITE = lib.CHM_SEQ_READ, lib.CHM_SEQ_WRITE
+_SEQ_KINDS = {"read": SEQ_READ, "write": SEQ_WRITE, SEQ_READ: SEQ_READ, SEQ_WRITE: SEQ_WRITE}
+_SEQ_BAD_KIND = 255  # the native path stops there; the Python step says why
+# The stats the native sequential path counts besides the hit read's: struct chm_seq_counts's fields.
+NATIVE_SEQ_COUNTS = tuple(name for name, _ in ffi.typeof("struct chm_seq_counts").fields)
+_run_sequential = lib.chm_dev_run_sequential
+# The policy calls chm_dev_run_sequential makes itself (CachePolicy's, over its one frame table).
+_SEQ_POLICY_METHODS = ("lookup", "staged_lookup", "write_lookup", "read_copy", "page_of", "is_dirty", "touch", "pin",
+                       "unpin", "pins", "mark_dirty", "drop", "allocate_clean", "admit_writes", "allocate_write",
+                       "flushed", "flush_grant", "native_lookup_areas")
+
+
+def sequential_ops(ops) -> tuple[bytes, array, array]:
+    """``(kind, addr, length)`` operations (kind ``"read"`` or ``"write"``, as ``Replay.ops`` records them) as
+    ``run_sequential``'s three arrays."""
+    kinds = bytes(_SEQ_KINDS.get(kind, _SEQ_BAD_KIND) for kind, _, _ in ops)
+    return kinds, array("Q", [addr for _, addr, _ in ops]), array("Q", [length for _, _, length in ops])
+
+
+def _seq_buffer(values, fmt: str):
+    """``values`` as a C-contiguous buffer of ``fmt`` items (kept, or converted); None when they are not all
+    plain non-negative integers that fit (the Python calls then say what is wrong)."""
+    try:
+        view = memoryview(values)
+    except TypeError:
+        view = None
+    if view is not None and view.c_contiguous and view.ndim == 1 and view.itemsize == array(fmt).itemsize \
+            and view.format.lstrip("<=@") in ((fmt,) if fmt == "B" else (fmt, "L")):
+        return view  # unsigned: used in place
+    if fmt == "B":
+        return bytes(_SEQ_KINDS.get(kind, _SEQ_BAD_KIND) for kind in values)
+    values = view.tolist() if view is not None else values
+    if any(type(v) is not int for v in values):  # a bool or a float: check_range names it
+        return None
+    try:
+        return array(fmt, values)
+    except OverflowError:  # a negative one
+        return None
+
+
+def _policy_runs_sequentially(policy) -> bool:
+    """Is ``policy`` a built-in frame-table cache the native sequential path runs as the policy would: a
+    CachePolicy over one native table of lru, fifo, clock, s3fifo or sieve, nothing of it overridden?"""
+    from .policies.base import CachePolicy
+    from .policies.clock import ClockOrder
+    from .policies.fifo import FifoOrder
+    from .policies.lru import LruOrder
+    from .policies.s3fifo import S3FifoOrder
+    from .policies.sieve import SieveOrder
+
+    cls = type(policy)
+    if not isinstance(policy, CachePolicy) or cls.eviction not in (LruOrder, FifoOrder, ClockOrder, S3FifoOrder,
+                                                                    SieveOrder):
+        return False
+    if any(getattr(cls, name) is not getattr(CachePolicy, name) for name in _SEQ_POLICY_METHODS):
+        return False
+    table = policy.read_area.table
+    bound = {"lookup": table.lookup, "staged_lookup": table.lookup, "write_lookup": table.lookup,
+             "touch": table.touch, "pin": table.pin, "unpin": table.unpin, "mark_dirty": table.mark_dirty,
+             "allocate_clean": table.insert}  # CachePolicy._bind_fast_paths
+    if any(name in _SEQ_POLICY_METHODS and value != bound.get(name) for name, value in vars(policy).items()):
+        return False
+    return (policy.areas == [policy.read_area] and policy.native_lookup_areas() == [policy.read_area]
+            and not table.plugin and table.sets == 1 and policy.flush_pages_in_flight is None
+            and policy.write_buffer_pages == 0 and not policy.splits_dram)
 
 
 class UnflushedData(ChmError):
@@ -200,13 +289,21 @@ class Controller:
         """The native DRAM-hit read's view of this controller (``native_read``, ``native_dev``)."""
         dev = self.native_dev = ffi.new("struct chm_dev *")
         timing, ctl, frames = self.timing, self.cfg.controller, self.frames
-        self._native_keep = [ffi.from_buffer("double[]", self.ready_at), ffi.from_buffer("int64_t[]", frames.io_token)]
+        self._native_keep = [ffi.from_buffer("double[]", self.ready_at), ffi.from_buffer("int64_t[]", frames.io_token),
+                             ffi.from_buffer("int64_t[]", frames.write_seq),
+                             ffi.new("struct chm_ssd *[]", [ssd._c for ssd in timing.ssds])]
         dev.page_size, dev.capacity = self.page, self.capacity
         dev.cycles_per_command, dev.cycles_per_lookup = ctl.cycles_per_command, ctl.cycles_per_lookup
-        dev.ready_at, dev.io_token = self._native_keep
+        dev.ready_at, dev.io_token, dev.write_seq, dev.ssds = self._native_keep
         dev.dram = ffi.NULL if frames.region is None else ffi.cast("uint8_t *", frames.region.base_addr)
         dev.controller, dev.dram_pipe, dev.link_to_host = timing.controller._c, timing.dram._c, timing.link_to_host._c
         dev.read_latency = timing.latencies.histogram("read")._c
+        # the sequential path's (run_sequential)
+        dev.cycles_per_admission, dev.stripe_bytes = ctl.cycles_per_admission, self.cfg.ssd.stripe_bytes
+        dev.n_ssds, dev.chunk_pages = len(timing.ssds), self.chunk_pages
+        dev.link_to_device, dev.write_latency = timing.link_to_device._c, timing.latencies.histogram("write")._c
+        self._seq_result = ffi.new("struct chm_seq_result *")
+        self._seq_counts = ffi.addressof(self._seq_result, "counts")
         areas = self.policy.native_lookup_areas() or []
         for i, area in enumerate(areas):
             dev.areas[i].table, dev.areas[i].base = area.table._c, area.base
@@ -319,6 +416,98 @@ class Controller:
         if whole:
             self.count_command("read", finish - now)
         return _tuple_new(ReadOutcome, (finish, hits, missed, merged))
+
+    # ---- sequential operations -----------------------------------------------------------
+    def run_sequential(self, kinds, addrs, lengths, now: float = 0.0) -> SequentialOutcome:
+        """Run operations one after another (module docstring, "Native sequential path"): operation ``i`` is
+        a read (``kinds[i]`` ``"read"`` or ``SEQ_READ``) or a write and its flush (``"write"``, ``SEQ_WRITE``)
+        of ``lengths[i]`` bytes at ``addrs[i]``, starting when the one before finished (the first at ``now``).
+        The device ends as ``read``/``write``/``flush`` called in turn leave it; an operation they refuse
+        raises their error, with the ones before it done. ``sequential_ops`` makes the arrays from
+        ``(kind, addr, length)`` triples; buffers (``bytes``, ``array('Q')``) are used in place."""
+        n = len(kinds)
+        if len(addrs) != n or len(lengths) != n:
+            raise ValueError(f"{n} kinds, {len(addrs)} addresses and {len(lengths)} lengths: one of each per operation")
+        buffers = None
+        if self.native_sequential_problem() is None:
+            buffers = (_seq_buffer(kinds, "B"), _seq_buffer(addrs, "Q"), _seq_buffer(lengths, "Q"))
+            if None in buffers:
+                buffers = None
+        pointers = None
+        i, write_misses, native_ops = 0, 0, 0
+        try:
+            if buffers is not None:
+                pointers = (ffi.from_buffer("uint8_t[]", buffers[0]), ffi.from_buffer("uint64_t[]", buffers[1]),
+                            ffi.from_buffer("uint64_t[]", buffers[2]))
+            while i < n:
+                if pointers is not None and self._settled():
+                    kinds_p, addrs_p, lengths_p = pointers
+                    result = self._seq_result
+                    rc = _run_sequential(self.native_dev, kinds_p + i, addrs_p + i, lengths_p + i, n - i, now, result)
+                    self._fold_sequential(result)
+                    i += result.done
+                    native_ops += result.done
+                    write_misses += result.write_misses
+                    now = result.now
+                    if rc == lib.CHM_E_NOMEM:
+                        raise MemoryError(f"sequential operation #{i}: no memory for the native path's state")
+                    if rc not in (lib.CHM_OK, lib.CHM_E_ARG):  # CHM_E_INTERNAL: a frame could not be had
+                        raise RuntimeError(f"sequential operation #{i}: native status {rc} (every frame pinned)")
+                    if i == n:
+                        break
+                    # CHM_E_ARG: the device refuses operation i; its call below raises why
+                now, misses = self._sequential_step(kinds[i], addrs[i], lengths[i], now)
+                write_misses += misses
+                i += 1
+        finally:
+            for pointer in pointers or ():
+                ffi.release(pointer)
+        return _tuple_new(SequentialOutcome, (now, write_misses, native_ops))
+
+    def _sequential_step(self, kind, addr: int, length: int, now: float) -> tuple[float, int]:
+        """One operation of ``run_sequential`` through the calls: (its finish, its write misses)."""
+        kind = _SEQ_KINDS.get(kind, kind)
+        if kind == SEQ_READ:
+            return self.read(addr, length, now).finish, 0
+        if kind == SEQ_WRITE:
+            written = self.write(addr, None, length, now)
+            return self.flush(written.finish), written.new_pages
+        raise ValueError(f"operation kind {kind!r} is neither 'read' nor 'write'")
+
+    def native_sequential_problem(self) -> str | None:
+        """Why ``run_sequential`` cannot use the native path on this device at all (None: it can, whenever
+        the device is settled)."""
+        if self.data:
+            return "emulation.data is on"
+        if not self.native_read or not _policy_runs_sequentially(self.policy):
+            return f"policy {self.policy.name!r} is not a built-in frame-table cache without a write buffer"
+        if type(self).read is not Controller.read or type(self).write is not Controller.write \
+                or {"read", "write"} & vars(self).keys():
+            return "read or write is not the controller's own"
+        flusher = self.flusher
+        if type(flusher) is not Flusher or self.flush != flusher.flush or self.tick != flusher.tick:
+            return "flush or tick is not the flusher's own"
+        if type(self.timing) is not TimingModel or self.media.backend is not None:
+            return "the timing model or the media are not the built-in ones"
+        return None
+
+    def _settled(self) -> bool:
+        """Nothing dirty or in flight, no frame pinned, no prefetch held, no media or staging-read error:
+        the state the native sequential path starts from (and leaves after each operation)."""
+        flusher = self.flusher
+        return (not flusher.dirty and not flusher.flights and not self.read_error and flusher.media_error is None
+                and not self.staged and self.engine.pages_held == 0
+                and lib.chm_ft_pinned_ways(self.policy.read_area.table._c, 0) == 0)
+
+    def _fold_sequential(self, result) -> None:
+        """Add what a native sequential run counted to ``stats`` and the flusher."""
+        self.fold_native_counts()
+        counts, stats = self._seq_counts, self.stats
+        for name in NATIVE_SEQ_COUNTS:
+            n = getattr(counts, name)
+            if n:
+                stats[name] += n
+        self.flusher._flight_order += result.flush_writes
 
     def fold_native_counts(self) -> None:
         """Add what native hit reads counted to ``stats``."""

@@ -49,8 +49,9 @@ class DramRegion:
 class Frames:
     """Per-frame state of the device DRAM (see the module docstring) and the settling of staging reads.
 
-    ``ready_at`` and ``io_token`` are arrays, not lists: the native hit read reads them in place (so they
-    never change size). They, ``write_seq`` and ``read_error`` are never rebound, so others may hold them."""
+    ``ready_at``, ``io_token`` and ``write_seq`` are arrays, not lists: the native hit read and the native
+    sequential path (``Controller.run_sequential``) use them in place (so they never change size). They and
+    ``read_error`` are never rebound, so others may hold them."""
 
     def __init__(self, count: int, page: int, region: DramRegion | None, media: MediaIO, policy: Policy,
                  stats: dict, log):
@@ -59,7 +60,7 @@ class Frames:
         self.media, self.policy, self.stats, self.log = media, policy, stats, log
         self.ready_at = array("d", bytes(8 * count))
         self.io_token = array("q", bytes(8 * count))  # all NO_TOKEN
-        self.write_seq = [0] * count
+        self.write_seq = array("q", bytes(8 * count))
         self.read_error: dict[int, ChmError] = {}
         self._read_error_logged: tuple | None = None  # (errno, file) last logged: each kind once in a row
 

@@ -19,6 +19,7 @@ from .config import Config
 from .native import ffi, lib
 
 _pipe_transfer, _clocked_run, _histogram_add = lib.chm_pipe_transfer, lib.chm_clocked_run, lib.chm_histogram_add
+_ssd_read, _ssd_write, _ssd_reads_in_flight = lib.chm_ssd_read, lib.chm_ssd_write, lib.chm_ssd_reads_in_flight
 
 
 def earliest_time(guess: float, due: Callable[[float], bool]) -> float:
@@ -50,7 +51,7 @@ class Pipe:
     written here (the DRAM-hit read in C runs the same pipes).
     """
 
-    __slots__ = ("name", "_c")
+    __slots__ = ("name", "_c", "_owner")
     latency_ns = _struct_field("latency_ns")
     bandwidth_gbps = _struct_field("bandwidth_gbps")
     free_at = _struct_field("free_at")
@@ -62,6 +63,14 @@ class Pipe:
         self.name = name
         self._c = ffi.new("struct chm_pipe *", {"latency_ns": latency_ns, "bandwidth_gbps": bandwidth_gbps,
                                                 "free_at": free_at, "busy_ns": busy_ns, "bytes": bytes})
+        self._owner = None
+
+    @classmethod
+    def view(cls, name: str, c, owner) -> Pipe:
+        """The pipe whose ``struct chm_pipe`` is ``c``, a part of ``owner`` (kept alive with the view)."""
+        pipe = cls.__new__(cls)
+        pipe.name, pipe._c, pipe._owner = name, c, owner
+        return pipe
 
     def __repr__(self) -> str:
         return (f"Pipe({self.name!r}, latency_ns={self.latency_ns!r}, bandwidth_gbps={self.bandwidth_gbps!r}, "
@@ -101,47 +110,66 @@ class Clocked:
 class SsdModel:
     """One SSD: up to ``parallelism`` commands in service, media bandwidth per
     direction, and reads slowed by ``read_slowdown_under_writes`` while any
-    write is in flight (program/erase interference)."""
+    write is in flight (program/erase interference).
+
+    A command starts when it is ready and a command slot is free (``_slots``: a min-heap of when each
+    frees); a read takes ``read_latency_ns * slow`` and then its bytes through ``read_media`` at
+    ``slow`` times the cost, where ``slow`` is the slowdown if a reserved write ends after the read
+    starts (``writes_until``), else 1; a write takes ``write_latency_ns`` and then ``write_media``.
+    ``reads_in_flight(now)`` counts the reserved reads finishing after ``now``, dropping the others from
+    ``_read_finishes`` (a min-heap of read finishes).
+
+    The state is a native ``struct chm_ssd`` (emulator/native/chm_core.h), which computes each step as
+    written here, with both heaps laid out as ``heapq`` lays out a list (so the controller's sequential
+    path in C runs the same SSDs).
+    """
+
+    __slots__ = ("name", "_c", "read_media", "write_media")
+    read_latency_ns = _struct_field("read_latency_ns")
+    write_latency_ns = _struct_field("write_latency_ns")
+    slowdown = _struct_field("slowdown")
+    writes_until = _struct_field("writes_until")  # virtual time the last reserved write finishes
+    reads_until = _struct_field("reads_until")  # virtual time the last reserved read finishes
+    slowed_reads = _struct_field("slowed_reads")
+    parallelism = property(lambda self: self._c.parallelism)
 
     def __init__(self, index: int, cfg: Config):
         s = cfg.ssd
         self.name = f"ssd{index}"
-        self.read_latency_ns = s.read_latency_ns
-        self.write_latency_ns = s.write_latency_ns
-        self.slowdown = s.read_slowdown_under_writes
-        self._slots = [0.0] * s.parallelism  # min-heap of when each command slot frees
-        self.read_media = Pipe(f"{self.name}.read", 0.0, s.read_bandwidth_gbps)
-        self.write_media = Pipe(f"{self.name}.write", 0.0, s.write_bandwidth_gbps)
-        self.writes_until = 0.0  # virtual time the last reserved write finishes
-        self.reads_until = 0.0  # virtual time the last reserved read finishes
-        self._read_finishes: list[float] = []  # min-heap, for reads_in_flight()
-        self.slowed_reads = 0
+        out = ffi.new("struct chm_ssd **")
+        rc = lib.chm_ssd_new(s.parallelism, s.read_latency_ns, s.write_latency_ns, s.read_slowdown_under_writes,
+                             s.read_bandwidth_gbps, s.write_bandwidth_gbps, out)
+        if rc == lib.CHM_E_NOMEM:
+            raise MemoryError(f"{self.name}: {s.parallelism} command slots")
+        if rc:
+            raise ValueError(f"{self.name}: ssd.parallelism = {s.parallelism} must be at least 1")
+        self._c = c = ffi.gc(out[0], lib.chm_ssd_free)
+        self.read_media = Pipe.view(f"{self.name}.read", ffi.addressof(c, "read_media"), c)
+        self.write_media = Pipe.view(f"{self.name}.write", ffi.addressof(c, "write_media"), c)
 
-    def _slot(self, ready: float) -> float:
-        return max(ready, self._slots[0])
+    @property
+    def _slots(self) -> list[float]:
+        """When each command slot frees (a heapq min-heap)."""
+        c = self._c
+        return ffi.unpack(c.slots, c.parallelism)
+
+    @property
+    def _read_finishes(self) -> list[float]:
+        """The finishes of the reads reserved and not yet dropped by ``reads_in_flight`` (a heapq min-heap)."""
+        c = self._c
+        return ffi.unpack(c.read_finishes, c.n_read_finishes) if c.n_read_finishes else []
 
     def read(self, ready: float, nbytes: int) -> float:
-        start = self._slot(ready)
-        slow = self.slowdown if start < self.writes_until else 1.0
-        self.slowed_reads += slow > 1.0
-        finish = self.read_media.transfer(start + self.read_latency_ns * slow, nbytes, slow)
-        heapq.heapreplace(self._slots, finish)
-        heapq.heappush(self._read_finishes, finish)
-        if finish > self.reads_until:
-            self.reads_until = finish
+        finish = _ssd_read(self._c, ready, nbytes)
+        if finish != finish:
+            raise MemoryError(f"{self.name}: no room for another read in flight")
         return finish
 
     def write(self, ready: float, nbytes: int) -> float:
-        start = self._slot(ready)
-        finish = self.write_media.transfer(start + self.write_latency_ns, nbytes)
-        heapq.heapreplace(self._slots, finish)
-        self.writes_until = max(self.writes_until, finish)
-        return finish
+        return _ssd_write(self._c, ready, nbytes)
 
     def reads_in_flight(self, now: float) -> int:
-        while self._read_finishes and self._read_finishes[0] <= now:
-            heapq.heappop(self._read_finishes)
-        return len(self._read_finishes)
+        return _ssd_reads_in_flight(self._c, now)
 
     @property
     def busy_ns(self) -> float:

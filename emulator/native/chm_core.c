@@ -5,7 +5,9 @@
  * tests/emulator/test_native_core.py check them against the former Python
  * implementations, kept there as models. The timing resources and the
  * DRAM-hit read compute as emulator/timing.py and Controller.read do
- * (tests/emulator/test_native_hits.py runs workloads both ways).
+ * (tests/emulator/test_native_hits.py runs workloads both ways); the
+ * sequential path as Controller.read, write and flush do
+ * (tests/emulator/test_native_sequential.py, likewise).
  */
 #include "chm_core.h"
 
@@ -1337,6 +1339,140 @@ void chm_histogram_add(struct chm_histogram *h, double latency_ns)
         h->max_ns = latency_ns;
 }
 
+/* -- an SSD (timing.SsdModel) -- */
+
+/* heapq's _siftdown and _siftup, so the heaps are laid out as Python's are under the same calls. */
+static void heap_siftdown(double *heap, uint64_t startpos, uint64_t pos)
+{
+    double newitem = heap[pos];
+    while (pos > startpos) {
+        uint64_t parentpos = (pos - 1) >> 1;
+        double parent = heap[parentpos];
+        if (!(newitem < parent))
+            break;
+        heap[pos] = parent;
+        pos = parentpos;
+    }
+    heap[pos] = newitem;
+}
+
+static void heap_siftup(double *heap, uint64_t endpos, uint64_t pos)
+{
+    uint64_t startpos = pos, childpos = 2 * pos + 1;
+    double newitem = heap[pos];
+    while (childpos < endpos) {
+        uint64_t rightpos = childpos + 1;
+        if (rightpos < endpos && !(heap[childpos] < heap[rightpos]))
+            childpos = rightpos;
+        heap[pos] = heap[childpos];
+        pos = childpos;
+        childpos = 2 * pos + 1;
+    }
+    heap[pos] = newitem;
+    heap_siftdown(heap, startpos, pos);
+}
+
+static void heap_replace(double *heap, uint64_t n, double item)  /* heapq.heapreplace */
+{
+    heap[0] = item;
+    heap_siftup(heap, n, 0);
+}
+
+int chm_ssd_new(uint32_t parallelism, double read_latency_ns, double write_latency_ns, double slowdown,
+                double read_bandwidth_gbps, double write_bandwidth_gbps, struct chm_ssd **out)
+{
+    if (!parallelism)
+        return CHM_E_ARG;
+    struct chm_ssd *s = calloc(1, sizeof *s);
+    if (!s)
+        return CHM_E_NOMEM;
+    s->slots = calloc(parallelism, sizeof *s->slots);
+    if (!s->slots) {
+        free(s);
+        return CHM_E_NOMEM;
+    }
+    s->parallelism = parallelism;
+    s->read_latency_ns = read_latency_ns;
+    s->write_latency_ns = write_latency_ns;
+    s->slowdown = slowdown;
+    s->read_media.bandwidth_gbps = read_bandwidth_gbps;
+    s->write_media.bandwidth_gbps = write_bandwidth_gbps;
+    *out = s;
+    return CHM_OK;
+}
+
+void chm_ssd_free(struct chm_ssd *s)
+{
+    if (!s)
+        return;
+    free(s->slots);
+    free(s->read_finishes);
+    free(s);
+}
+
+int chm_ssd_reserve(struct chm_ssd *s, uint64_t reads)
+{
+    if (reads <= s->read_finishes_cap - s->n_read_finishes)
+        return CHM_OK;
+    uint64_t cap = s->read_finishes_cap ? s->read_finishes_cap : 16;
+    while (cap - s->n_read_finishes < reads) {
+        if (cap > UINT64_MAX / 2 / sizeof(double))
+            return CHM_E_NOMEM;
+        cap *= 2;
+    }
+    double *grown = realloc(s->read_finishes, cap * sizeof *grown);
+    if (!grown)
+        return CHM_E_NOMEM;
+    s->read_finishes = grown;
+    s->read_finishes_cap = cap;
+    return CHM_OK;
+}
+
+/* max(ready, slots[0]), as Python's max picks */
+static double ssd_start(const struct chm_ssd *s, double ready)
+{
+    return s->slots[0] > ready ? s->slots[0] : ready;
+}
+
+double chm_ssd_read(struct chm_ssd *s, double ready, uint64_t nbytes)
+{
+    if (chm_ssd_reserve(s, 1))
+        return 0.0 / 0.0;
+    double start = ssd_start(s, ready);
+    double slow = start < s->writes_until ? s->slowdown : 1.0;
+    s->slowed_reads += slow > 1.0;
+    double finish = chm_pipe_transfer(&s->read_media, start + s->read_latency_ns * slow, nbytes, slow);
+    heap_replace(s->slots, s->parallelism, finish);
+    s->read_finishes[s->n_read_finishes] = finish;  /* heapq.heappush */
+    heap_siftdown(s->read_finishes, 0, s->n_read_finishes++);
+    if (finish > s->reads_until)
+        s->reads_until = finish;
+    return finish;
+}
+
+double chm_ssd_write(struct chm_ssd *s, double ready, uint64_t nbytes)
+{
+    double start = ssd_start(s, ready);
+    double finish = chm_pipe_transfer(&s->write_media, start + s->write_latency_ns, nbytes, 1.0);
+    heap_replace(s->slots, s->parallelism, finish);
+    if (finish > s->writes_until)  /* max(writes_until, finish) */
+        s->writes_until = finish;
+    return finish;
+}
+
+uint64_t chm_ssd_reads_in_flight(struct chm_ssd *s, double now)
+{
+    double *heap = s->read_finishes;
+    while (s->n_read_finishes && heap[0] <= now) {  /* heapq.heappop */
+        double last = heap[--s->n_read_finishes];
+        if (s->n_read_finishes) {
+            heap[0] = last;
+            heap_siftup(heap, s->n_read_finishes, 0);
+        }
+    }
+    return s->n_read_finishes;
+}
+
 /* ---- the DRAM-hit read ---- */
 
 /* The page's frame (local to *area), or -1. */
@@ -1415,4 +1551,351 @@ int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double 
         chm_histogram_add(d->read_latency, *finish - now);
     }
     return (int64_t)pages;
+}
+
+/* ---- sequential operations (Controller.run_sequential) ----
+ * Each step below names the Python it mirrors (emulator/controller.py, flusher.py, media_io.py, ssd.py);
+ * doubles are computed with the same operations in the same order, and Python's max(a, b) is "b > a ? b : a". */
+
+struct seq_entry {
+    uint64_t page;
+    uint32_t frame;
+};
+
+struct seq {
+    struct chm_dev *d;
+    struct chm_ft *ft;              /* the one area's table */
+    uint32_t base;                  /* its first frame */
+    struct chm_seq_result *out;
+    uint32_t *dirty;                /* Flusher.dirty: queued frames, oldest first */
+    uint32_t n_dirty;
+    uint8_t *queued;                /* Flusher.queued, by frame */
+    struct seq_entry *order;        /* start_flush: the dirty frames by page */
+    uint32_t *chunk;                /* a read's pinned frames */
+};
+
+static double py_max(double a, double b)
+{
+    return b > a ? b : a;
+}
+
+/* ssd.locate(page * page_size): the SSD, and the byte offset in its file. */
+static struct chm_ssd *seq_locate(const struct chm_dev *d, uint64_t page, uint64_t *offset)
+{
+    uint64_t addr = page * d->page_size, stripe = addr / d->stripe_bytes;
+    *offset = (stripe / d->n_ssds) * d->stripe_bytes + addr % d->stripe_bytes;
+    return d->ssds[stripe % d->n_ssds];
+}
+
+/* MediaIO.read: stage `page` at `now` (the heap has room: seq_reserve); its modelled finish. */
+static double seq_media_read(struct seq *q, uint64_t page, double now)
+{
+    uint64_t offset;
+    struct chm_ssd *ssd = seq_locate(q->d, page, &offset);
+    q->out->counts.ssd_read_bytes += q->d->page_size;
+    return chm_ssd_read(ssd, now, q->d->page_size);
+}
+
+/* MediaIO.write: `pages` frames on to the media from `page` on at `now`; its modelled finish. */
+static double seq_media_write(struct seq *q, uint64_t page, uint64_t pages, double now)
+{
+    uint64_t offset, nbytes = pages * q->d->page_size;
+    struct chm_ssd *ssd = seq_locate(q->d, page, &offset);
+    q->out->counts.ssd_write_bytes += nbytes;
+    return chm_ssd_write(ssd, now, nbytes);
+}
+
+/* MediaIO.contiguous */
+static int seq_contiguous(const struct chm_dev *d, uint64_t page, uint64_t next_page)
+{
+    uint64_t a_off, b_off;
+    const struct chm_ssd *a = seq_locate(d, page, &a_off), *b = seq_locate(d, next_page, &b_off);
+    return a == b && b_off == a_off + d->page_size;
+}
+
+/* The page's global frame, or -1 (Policy.lookup, write_lookup). */
+static int64_t seq_lookup(const struct seq *q, uint64_t page)
+{
+    int64_t f = chm_ft_lookup(q->ft, page);
+    return f < 0 ? -1 : (int64_t)q->base + f;
+}
+
+/* Flusher._unqueue */
+static void seq_unqueue(struct seq *q, uint32_t frame)
+{
+    if (!q->queued[frame])
+        return;
+    q->queued[frame] = 0;
+    for (uint32_t i = 0; i < q->n_dirty; i++) {
+        if (q->dirty[i] == frame) {
+            memmove(q->dirty + i, q->dirty + i + 1, (q->n_dirty - i - 1) * sizeof *q->dirty);
+            q->n_dirty--;
+            break;
+        }
+    }
+}
+
+/* Controller._take_frame (with Flusher.write_back): the frame is free from the time returned. */
+static double seq_take_frame(struct seq *q, const struct chm_access *a, uint32_t frame, double now)
+{
+    double ready = now;
+    if (a->victim_page != CHM_NO_PAGE) {
+        q->out->counts.evictions++;
+        if (a->victim_dirty) {
+            q->out->counts.dirty_evictions++;
+            seq_unqueue(q, frame);
+            ready = seq_media_write(q, a->victim_page, 1, now);
+        }
+    }
+    return ready;
+}
+
+/* Controller._allocate with the policy's allocate_clean (= allocate_write): a frame for `page`, not resident.
+ * Never every frame pinned here: -1 if it were. */
+static int64_t seq_allocate(struct seq *q, uint64_t page, struct chm_access *a)
+{
+    if (chm_ft_insert(q->ft, page, a) != CHM_OK)
+        return -1;
+    return (int64_t)q->base + a->frame;
+}
+
+/* Controller._stage at t; the frame, or -1. */
+static int64_t seq_stage(struct seq *q, uint64_t page, double t)
+{
+    struct chm_access a;
+    int64_t frame = seq_allocate(q, page, &a);
+    if (frame < 0)
+        return -1;
+    double ready = seq_take_frame(q, &a, (uint32_t)frame, t);
+    double done = seq_media_read(q, page, t);
+    q->d->ready_at[frame] = py_max(done, ready);
+    return frame;
+}
+
+/* Controller._copy_out of pages [first, last] (in frames[], or looked up when frames is NULL) at t: the
+ * DRAM pipe, then the link, page by page (the two pipes are apart: the same as a stream through each). */
+static double seq_copy_out(struct seq *q, uint64_t addr, uint64_t len, uint64_t first, uint64_t last,
+                           const uint32_t *frames, double t)
+{
+    struct chm_dev *d = q->d;
+    const uint64_t page_size = d->page_size, first_page = addr / page_size, end = addr + len;
+    double arrival = t;
+    for (uint64_t page = first; page <= last; page++) {
+        uint64_t frame = frames ? frames[page - first] : (uint64_t)seq_lookup(q, page);
+        uint64_t base = page * page_size;
+        uint64_t lo = page == first_page ? addr - base : 0;
+        uint64_t hi = end < base + page_size ? end - base : page_size;
+        double ready = d->ready_at[frame];
+        if (ready <= t)
+            d->counts.hit_bytes += hi - lo;
+        arrival = chm_pipe_transfer(d->link_to_host,
+                                    chm_pipe_transfer(d->dram_pipe, ready > t ? ready : t, hi - lo, 1.0),
+                                    hi - lo, 1.0);
+    }
+    return arrival;
+}
+
+/* Controller.read (whole, no buffer) after its tick, which has nothing to do here; its finish, or NaN. */
+static double seq_read(struct seq *q, uint64_t addr, uint64_t len, double now)
+{
+    struct chm_dev *d = q->d;
+    double finish;
+    if (chm_dev_read_hit(d, addr, len, now, NULL, 1, &finish))
+        return finish;
+    const uint64_t first = addr / d->page_size, last = (addr + len - 1) / d->page_size, pages = last - first + 1;
+    d->counts.read_bytes += len;
+    double t = chm_clocked_run(d->controller, now, d->cycles_per_command + pages * d->cycles_per_lookup);
+    int all_resident = 1;
+    for (uint64_t page = first; page <= last && all_resident; page++)
+        all_resident = seq_lookup(q, page) >= 0;
+    if (all_resident) {  /* nothing can be evicted: nothing pinned */
+        uint64_t merged = 0;
+        for (uint64_t page = first; page <= last; page++) {
+            int64_t frame = seq_lookup(q, page);
+            if (d->ready_at[frame] > t)
+                merged++;
+            else
+                chm_ft_touch(q->ft, (uint32_t)(frame - q->base));
+        }
+        d->counts.page_hits += pages - merged;
+        q->out->counts.merged_misses += merged;
+        finish = seq_copy_out(q, addr, len, first, last, NULL, t);
+    } else {  /* staging may evict: pin what a chunk uses until it is copied (_lookup_or_stage) */
+        finish = t;
+        for (uint64_t start = first; start <= last; start += d->chunk_pages) {
+            uint64_t end = last - start < d->chunk_pages ? last : start + d->chunk_pages - 1;
+            for (uint64_t page = start; page <= end; page++) {
+                int64_t frame = seq_lookup(q, page);
+                if (frame < 0) {
+                    q->out->counts.page_misses++;
+                    frame = seq_stage(q, page, t);
+                    if (frame < 0)
+                        return 0.0 / 0.0;
+                } else if (d->ready_at[frame] > t) {
+                    q->out->counts.merged_misses++;
+                } else {
+                    d->counts.page_hits++;
+                    chm_ft_touch(q->ft, (uint32_t)(frame - q->base));
+                }
+                chm_ft_pin(q->ft, (uint32_t)(frame - q->base));
+                q->chunk[page - start] = (uint32_t)frame;
+            }
+            finish = py_max(finish, seq_copy_out(q, addr, len, start, end, q->chunk, t));
+            for (uint64_t page = start; page <= end; page++)
+                chm_ft_unpin(q->ft, q->chunk[page - start] - q->base);
+        }
+    }
+    d->counts.reads++;  /* Controller.count_command */
+    chm_histogram_add(d->read_latency, finish - now);
+    return finish;
+}
+
+/* Controller._write_page (no bytes) at now; its finish, or NaN. */
+static double seq_write_page(struct seq *q, uint64_t page, uint64_t lo, uint64_t hi, double now)
+{
+    struct chm_dev *d = q->d;
+    int64_t frame = seq_lookup(q, page);
+    double ready = now;
+    if (frame < 0) {
+        struct chm_access a;
+        frame = seq_allocate(q, page, &a);
+        if (frame < 0)
+            return 0.0 / 0.0;
+        ready = seq_take_frame(q, &a, (uint32_t)frame, now);
+        d->ready_at[frame] = now;
+        if (hi - lo < d->page_size) {  /* _fill_partial: no second copy; the rest of the page from the media */
+            q->out->counts.rmw_reads++;
+            ready = py_max(ready, seq_media_read(q, page, now));
+        }
+    } else {
+        chm_ft_touch(q->ft, (uint32_t)(frame - q->base));
+    }
+    d->write_seq[frame]++;
+    chm_ft_mark_dirty(q->ft, (uint32_t)(frame - q->base));
+    if (!q->queued[frame]) {  /* Flusher.enqueue */
+        q->queued[frame] = 1;
+        q->dirty[q->n_dirty++] = (uint32_t)frame;
+    }
+    return chm_pipe_transfer(d->dram_pipe, py_max(ready, d->ready_at[frame]), hi - lo, 1.0);
+}
+
+/* Controller.write (whole, no bytes) after its tick; its finish, or NaN. */
+static double seq_write(struct seq *q, uint64_t addr, uint64_t len, double now)
+{
+    struct chm_dev *d = q->d;
+    const uint64_t page_size = d->page_size, first = addr / page_size, last = (addr + len - 1) / page_size;
+    const uint64_t pages = last - first + 1, end = addr + len;
+    for (uint64_t page = first; page <= last; page++)
+        q->out->write_misses += seq_lookup(q, page) < 0;
+    q->out->counts.write_bytes += len;
+    double arrived = chm_pipe_transfer(d->link_to_device, now, len, 1.0);
+    double t = chm_clocked_run(d->controller, arrived, d->cycles_per_command + pages * d->cycles_per_admission);
+    double finish = t;
+    for (uint64_t page = first; page <= last; page++) {
+        uint64_t base = page * page_size;
+        uint64_t lo = addr > base ? addr - base : 0;
+        uint64_t hi = end < base + page_size ? end - base : page_size;
+        double done = seq_write_page(q, page, lo, hi, t);
+        if (done != done)
+            return done;
+        finish = py_max(finish, done);
+    }
+    q->out->counts.writes++;
+    chm_histogram_add(d->write_latency, finish - now);
+    return finish;
+}
+
+static int seq_by_page(const void *a, const void *b)
+{
+    uint64_t x = ((const struct seq_entry *)a)->page, y = ((const struct seq_entry *)b)->page;
+    return (x > y) - (x < y);
+}
+
+/* Flusher.flush at now (nothing in flight before it): every dirty page to the media in one batch
+ * (start_flush: by page, a media write per run of frames that follow each other in DRAM and on the media),
+ * then each landed (complete_flights): unpinned and clean. Its finish. */
+static double seq_flush(struct seq *q, double now)
+{
+    struct chm_dev *d = q->d;
+    struct chm_seq_counts *c = &q->out->counts;
+    c->flush_calls++;
+    double done = now;
+    if (!q->n_dirty)
+        return done;
+    for (uint32_t i = 0; i < d->n_ssds; i++)  /* the flush rule's reads_in_flight(now): it forces, whatever */
+        chm_ssd_reads_in_flight(d->ssds[i], now);
+    c->flush_batches++;
+    uint32_t n = q->n_dirty;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t frame = q->dirty[i];
+        q->order[i].frame = frame;
+        q->order[i].page = q->ft->page_of[frame - q->base];
+        q->queued[frame] = 0;
+        chm_ft_pin(q->ft, frame - q->base);
+    }
+    q->n_dirty = 0;
+    if (n > 1)
+        qsort(q->order, n, sizeof *q->order, seq_by_page);
+    for (uint32_t start = 0, i = 1; i <= n; i++) {
+        if (i < n && q->order[i].frame == q->order[i - 1].frame + 1
+            && seq_contiguous(d, q->order[i - 1].page, q->order[i].page))
+            continue;
+        double finish = seq_media_write(q, q->order[start].page, i - start, now);  /* _write_run */
+        q->out->flush_writes++;
+        c->flushed_pages += i - start;
+        done = py_max(done, finish);
+        start = i;
+    }
+    for (uint32_t i = 0; i < n; i++) {  /* complete_flights: in issue order, which is page order */
+        uint32_t local = q->order[i].frame - q->base;
+        chm_ft_unpin(q->ft, local);
+        chm_ft_clear_dirty(q->ft, local);  /* no newer write came, nothing queued again */
+    }
+    return done;
+}
+
+int chm_dev_run_sequential(struct chm_dev *d, const uint8_t *kinds, const uint64_t *addrs, const uint64_t *lengths,
+                           uint64_t n, double now, struct chm_seq_result *out)
+{
+    memset(out, 0, sizeof *out);
+    out->now = now;
+    if (d->n_areas != 1 || !d->n_ssds || !d->chunk_pages || !d->stripe_bytes || !d->page_size)
+        return CHM_E_ARG;
+    struct seq q = {.d = d, .ft = d->areas[0].table, .base = d->areas[0].base, .out = out};
+    uint32_t frames = q.ft->frames;
+    q.dirty = malloc((size_t)frames * sizeof *q.dirty);
+    q.queued = calloc((size_t)q.base + frames, 1);
+    q.order = malloc((size_t)frames * sizeof *q.order);
+    q.chunk = malloc((size_t)d->chunk_pages * sizeof *q.chunk);
+    int rc = CHM_OK;
+    if (!q.dirty || !q.queued || !q.order || !q.chunk)
+        rc = CHM_E_NOMEM;
+    for (uint64_t i = 0; i < n && rc == CHM_OK; i++) {
+        uint64_t addr = addrs[i], len = lengths[i];
+        if (kinds[i] > CHM_SEQ_WRITE || len == 0 || addr > d->capacity || len > d->capacity - addr) {
+            rc = CHM_E_ARG;  /* Controller.check_range (or the kind) refuses it */
+            break;
+        }
+        /* room for the finish of every read it may stage (the pages, or a partial write's two ends) */
+        uint64_t pages = (addr + len - 1) / d->page_size - addr / d->page_size + 1;
+        for (uint32_t s = 0; s < d->n_ssds && rc == CHM_OK; s++)
+            rc = chm_ssd_reserve(d->ssds[s], kinds[i] == CHM_SEQ_READ ? pages : 2);
+        if (rc)
+            break;
+        double finish = kinds[i] == CHM_SEQ_READ ? seq_read(&q, addr, len, now) : seq_write(&q, addr, len, now);
+        if (finish != finish) {
+            rc = CHM_E_INTERNAL;
+            break;
+        }
+        if (kinds[i] == CHM_SEQ_WRITE)
+            finish = seq_flush(&q, finish);
+        now = finish;
+        out->done = i + 1;
+        out->now = now;
+    }
+    free(q.dirty);
+    free(q.queued);
+    free(q.order);
+    free(q.chunk);
+    return rc;
 }

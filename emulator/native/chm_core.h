@@ -1,14 +1,16 @@
 /* The device model's native core: the DRAM frame table with the built-in
  * eviction structures, the prefetch engine's window and handle accounting,
- * write admission, the timing model's pipes and latency histogram, and the
- * DRAM-hit read (chm serve's native hit path).
+ * write admission, the timing model's pipes, SSD models and latency
+ * histogram, the DRAM-hit read (chm serve's native hit path) and the
+ * sequential path (Controller.run_sequential).
  *
  * One implementation: the emulator (live serving, replay) and the RTL
  * lockstep benches reach it through cffi (emulator/native_build.py cuts the
  * text between the cdef markers out of this header, so every constant and
  * struct below is defined once, here). The decisions are specified in
  * emulator/frame_table.py, emulator/prefetch.py, emulator/write_buffer.py,
- * emulator/timing.py and emulator/controller.py (Controller.read).
+ * emulator/timing.py, emulator/controller.py (Controller.read, write) and
+ * emulator/flusher.py (Flusher.flush).
  */
 #ifndef CHM_CORE_H
 #define CHM_CORE_H
@@ -190,6 +192,38 @@ double chm_pipe_transfer(struct chm_pipe *p, double ready, uint64_t nbytes, doub
 /* Run `cycles` cycles no earlier than ready; when they end. */
 double chm_clocked_run(struct chm_clocked *c, double ready, uint64_t cycles);
 
+/* One SSD (timing.SsdModel): up to `parallelism` commands in service (a min-heap of when each command slot
+ * frees), a media pipe per direction, reads slowed by `slowdown` while a write is in flight, and the
+ * finishes of the reads reserved (a min-heap that reads_in_flight pops up to its `now`). Both heaps are
+ * laid out as Python's heapq lays out a list under the same calls (the wrapper shows them as lists). */
+struct chm_ssd {
+    double read_latency_ns;
+    double write_latency_ns;
+    double slowdown;                /* read_slowdown_under_writes */
+    double writes_until;            /* virtual time the last reserved write finishes */
+    double reads_until;             /* virtual time the last reserved read finishes */
+    uint64_t slowed_reads;
+    struct chm_pipe read_media;
+    struct chm_pipe write_media;
+    uint32_t parallelism;
+    double *slots;                  /* parallelism entries */
+    double *read_finishes;          /* n_read_finishes entries of read_finishes_cap */
+    uint64_t n_read_finishes;
+    uint64_t read_finishes_cap;
+};
+
+int  chm_ssd_new(uint32_t parallelism, double read_latency_ns, double write_latency_ns, double slowdown,
+                 double read_bandwidth_gbps, double write_bandwidth_gbps, struct chm_ssd **out);
+void chm_ssd_free(struct chm_ssd *s);
+/* Room for `reads` more reads without an allocation: CHM_OK or CHM_E_NOMEM (nothing changed). */
+int chm_ssd_reserve(struct chm_ssd *s, uint64_t reads);
+/* Reserve a read (write) of nbytes no earlier than ready; when it finishes. A read that finds no memory
+ * for its finish returns NaN and changes nothing. */
+double chm_ssd_read(struct chm_ssd *s, double ready, uint64_t nbytes);
+double chm_ssd_write(struct chm_ssd *s, double ready, uint64_t nbytes);
+/* The reads reserved that finish after `now` (those finished by then leave the heap). */
+uint64_t chm_ssd_reads_in_flight(struct chm_ssd *s, double now);
+
 /* Latencies of one operation kind in log-linear buckets (timing.LatencyHistogram): below
  * CHM_HIST_SUB_BUCKETS ns one bucket per ns, above it CHM_HIST_SUB_BUCKETS buckets per power of two. */
 #define CHM_HIST_SUB_BITS 5
@@ -235,7 +269,7 @@ struct chm_dev {
     uint64_t cycles_per_lookup;
     uint32_t n_areas;               /* 0: the policy looks pages up in Python; no read is served here */
     struct chm_dev_area areas[CHM_DEV_MAX_AREAS];  /* a page's frame is its first area's that holds it */
-    const double *ready_at;         /* per frame: when its data is in DRAM */
+    double *ready_at;               /* per frame: when its data is in DRAM */
     const int64_t *io_token;        /* per frame: the media read filling it, or CHM_NO_TOKEN */
     const uint8_t *dram;            /* the DRAM region; NULL: data emulation is off */
     struct chm_clocked *controller;
@@ -243,6 +277,15 @@ struct chm_dev {
     struct chm_pipe *link_to_host;
     struct chm_histogram *read_latency;
     struct chm_read_counts counts;
+    /* what chm_dev_run_sequential needs besides */
+    uint64_t cycles_per_admission;
+    uint64_t stripe_bytes;          /* ssd.stripe_bytes: the address space is striped over the SSDs */
+    uint32_t n_ssds;
+    uint32_t chunk_pages;           /* Controller.chunk_pages: the most pages a read pins at once */
+    struct chm_ssd **ssds;
+    struct chm_pipe *link_to_device;
+    struct chm_histogram *write_latency;
+    int64_t *write_seq;             /* per frame: bumped by every write (dram.Frames.write_seq) */
 };
 
 /* Serve a read of [addr, addr + len) at virtual time `now` if every page is resident, ready by the time
@@ -253,6 +296,48 @@ struct chm_dev {
  * hit, the range is not one the device holds or no area is native: then nothing changed. */
 int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double now, uint8_t *out,
                          int count_command, double *finish);
+
+/* ---- Sequential operations (Controller.run_sequential), data emulation off ----
+ * Each operation runs as Controller.read / Controller.write followed by Controller.flush do, one after the
+ * other, each starting when the one before finished: a read of [addr, addr + len) at `now` (now = its
+ * finish), or a write of it (no bytes) at `now`, then a flush at the write's finish (now = the flush's
+ * finish). The caller guarantees, at the call: one area (a fully associative table of a built-in policy,
+ * no write buffer), no page dirty, no flush in flight, no frame pinned, no staging read failed, no media
+ * error, no prefetch handle held; each operation then leaves the same again. */
+#define CHM_SEQ_READ 0
+#define CHM_SEQ_WRITE 1
+
+/* The stats it counts besides chm_dev's `counts` (the names are the stats' own). */
+struct chm_seq_counts {
+    uint64_t writes;
+    uint64_t write_bytes;
+    uint64_t flush_calls;
+    uint64_t flush_batches;
+    uint64_t flushed_pages;
+    uint64_t page_misses;
+    uint64_t merged_misses;
+    uint64_t evictions;
+    uint64_t dirty_evictions;
+    uint64_t rmw_reads;
+    uint64_t ssd_read_bytes;
+    uint64_t ssd_write_bytes;
+};
+
+struct chm_seq_result {
+    uint64_t done;                  /* operations run (all, unless a status stopped it before one) */
+    double now;                     /* the finish of the last one run (the start if none) */
+    uint64_t write_misses;          /* pages the writes found no frame for (WriteOutcome.new_pages, summed) */
+    uint64_t flush_writes;          /* media writes the flushes issued (Flusher._flight_order advances by these) */
+    struct chm_seq_counts counts;
+};
+
+/* CHM_OK: all n run. Else it stopped before operation out->done, with everything before it done and
+ * counted: CHM_E_ARG, that operation is not one the device takes (a kind not CHM_SEQ_*, a range outside
+ * the device; Controller.read/write say why); CHM_E_NOMEM; CHM_E_INTERNAL, a frame could not be had
+ * (cannot happen under the guarantees above). A device it cannot run on (not one area): CHM_E_ARG with
+ * out->done 0. */
+int chm_dev_run_sequential(struct chm_dev *d, const uint8_t *kinds, const uint64_t *addrs, const uint64_t *lengths,
+                           uint64_t n, double now, struct chm_seq_result *out);
 
 /* ---- cdef end ---- */
 

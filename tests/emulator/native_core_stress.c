@@ -1,5 +1,6 @@
 /* Random calls of every function of the native core (emulator/native/chm_core.h), legal or not, with the
- * frame table's invariants (chm_ft_check) and the prefetch and admission counts checked after each call.
+ * frame table's invariants (chm_ft_check) and the prefetch and admission counts checked after each call;
+ * the SSD model and the sequential path with random operations, their heaps and settled state checked.
  * Built with -fsanitize=address,undefined by tests/emulator/test_native_core.py: an out-of-bounds access,
  * a leak or undefined behaviour fails it too. Prints "all invariants held" and exits 0, or names the failure.
  */
@@ -198,6 +199,111 @@ static void stress_admission(uint64_t capacity, long steps)
     }
 }
 
+/* The SSD model: random reads, writes and reads_in_flight; both heaps stay heaps, the count of reads in
+ * flight is the reads reserved and not yet dropped that finish later. */
+static void stress_ssd(uint32_t parallelism, long steps)
+{
+    struct chm_ssd *ssd;
+    if (chm_ssd_new(0, 1, 1, 2, 1, 1, &ssd) != CHM_E_ARG)
+        FAIL("an SSD of no command slots was accepted");
+    if (chm_ssd_new(parallelism, 100.0, 500.0, 2.0, 4.0, 2.0, &ssd))
+        FAIL("chm_ssd_new(%u) failed", parallelism);
+    double now = 0.0, last_read = 0.0;
+    for (long i = 0; i < steps; i++) {
+        now += (double)rnd(3000);
+        switch (rnd(3)) {
+        case 0: {
+            double f = chm_ssd_read(ssd, now, 4096 * (1 + rnd(64)));
+            if (!(f >= now) || f > ssd->reads_until)
+                FAIL("ssd step %ld: a read finishing at %g, reads until %g", i, f, ssd->reads_until);
+            last_read = f;
+            break;
+        }
+        case 1:
+            if (!(chm_ssd_write(ssd, now, 4096 * (1 + rnd(64))) <= ssd->writes_until))
+                FAIL("ssd step %ld: a write finishing after writes_until", i);
+            break;
+        default: {
+            double at = now - (double)rnd(20000);
+            uint64_t n = chm_ssd_reads_in_flight(ssd, at);
+            for (uint64_t k = 0; k < n; k++)
+                if (!(ssd->read_finishes[k] > at))
+                    FAIL("ssd step %ld: a read counted in flight finished before", i);
+        }
+        }
+        for (uint64_t k = 1; k < ssd->n_read_finishes; k++)
+            if (ssd->read_finishes[k] < ssd->read_finishes[(k - 1) / 2])
+                FAIL("ssd step %ld: the read finishes are no heap", i);
+        for (uint32_t k = 1; k < ssd->parallelism; k++)
+            if (ssd->slots[k] < ssd->slots[(k - 1) / 2])
+                FAIL("ssd step %ld: the command slots are no heap", i);
+    }
+    if (chm_ssd_reads_in_flight(ssd, last_read) != 0)
+        FAIL("reads in flight after the last read finished");
+    chm_ssd_free(ssd);
+}
+
+/* The sequential path: random reads and writes (partial pages, runs longer than DRAM) over one table of
+ * each policy; after each call the table's invariants hold and the device is settled again. */
+static void stress_sequential(const char *name, struct chm_policy_params policy, uint32_t frames, long ops)
+{
+    enum { N = 64, SSDS = 2 };
+    const uint64_t page = 4096, capacity = 256 * page;
+    struct chm_ft *ft;
+    if (chm_ft_new(frames, frames, &policy, &ft))
+        FAIL("sequential %s: chm_ft_new(%u) failed", name, frames);
+    struct chm_ssd *ssds[SSDS];
+    for (int i = 0; i < SSDS; i++)
+        if (chm_ssd_new(4, 20000.0, 40000.0, 2.0, 3.0, 1.5, &ssds[i]))
+            FAIL("sequential: chm_ssd_new failed");
+    struct chm_pipe link_up = {600, 64, 0, 0, 0}, link_down = {600, 64, 0, 0, 0}, dram = {50, 100, 0, 0, 0};
+    struct chm_clocked controller = {1000, 0, 0};
+    static struct chm_histogram reads, writes;
+    chm_histogram_init(&reads);
+    chm_histogram_init(&writes);
+    double *ready_at = calloc(frames, sizeof *ready_at);
+    int64_t *io_token = calloc(frames, sizeof *io_token), *write_seq = calloc(frames, sizeof *write_seq);
+    struct chm_dev d = {.page_size = page, .capacity = capacity, .cycles_per_command = 10, .cycles_per_lookup = 2,
+                        .n_areas = 1, .areas = {{ft, 0}}, .ready_at = ready_at, .io_token = io_token,
+                        .controller = &controller, .dram_pipe = &dram, .link_to_host = &link_down,
+                        .read_latency = &reads, .cycles_per_admission = 3, .stripe_bytes = 2 * page,
+                        .n_ssds = SSDS, .chunk_pages = frames > 1 ? frames - 1 : 1, .ssds = ssds,
+                        .link_to_device = &link_up, .write_latency = &writes, .write_seq = write_seq};
+    uint8_t kinds[N];
+    uint64_t addrs[N], lengths[N];
+    struct chm_seq_result out;
+    double now = 0.0;
+    for (long done = 0; done < ops; done += N) {
+        for (int k = 0; k < N; k++) {
+            kinds[k] = (uint8_t)rnd(2);
+            addrs[k] = rnd(capacity);
+            lengths[k] = 1 + rnd((frames + 3) * page);
+            if (lengths[k] > capacity - addrs[k])
+                lengths[k] = capacity - addrs[k];
+        }
+        if (rnd(8) == 0)
+            lengths[rnd(N)] = capacity;  /* past the end (unless at 0): it stops there */
+        int rc = chm_dev_run_sequential(&d, kinds, addrs, lengths, N, now, &out);
+        if (rc != CHM_OK && rc != CHM_E_ARG)
+            FAIL("sequential %s: status %d at operation %lu", name, rc, (unsigned long)out.done);
+        if (rc == CHM_OK ? out.done != N : out.done >= N || addrs[out.done] + lengths[out.done] <= capacity)
+            FAIL("sequential %s: stopped after %lu operations with status %d", name, (unsigned long)out.done, rc);
+        check_table(ft, name, done, CHM_OK);
+        for (uint32_t f = 0; f < frames; f++)
+            if (chm_ft_pins(ft)[f] || chm_ft_dirty(ft)[f])
+                FAIL("sequential %s: frame %u left pinned or dirty", name, f);
+        if (!(out.now >= now))
+            FAIL("sequential %s: time went back", name);
+        now = out.now;
+    }
+    for (int i = 0; i < SSDS; i++)
+        chm_ssd_free(ssds[i]);
+    free(ready_at);
+    free(io_token);
+    free(write_seq);
+    chm_ft_free(ft);
+}
+
 int main(void)
 {
     static const struct { const char *name; struct chm_policy_params policy; } policies[] = {
@@ -228,6 +334,17 @@ int main(void)
     stress_prefetch(0, 1, 2000);
     stress_admission(13, 20000);
     stress_admission(0, 1000);
+    stress_ssd(1, 20000);
+    stress_ssd(7, 20000);
+    for (size_t p = 1; p < sizeof policies / sizeof *policies; p++) {
+        stress_sequential(policies[p].name, policies[p].policy, 24, 3000);
+        if (policies[p].policy.kind != CHM_POLICY_S3FIFO)
+            stress_sequential(policies[p].name, policies[p].policy, 3, 1000);
+    }
+    struct chm_dev no_area = {.n_areas = 0};
+    struct chm_seq_result out;
+    if (chm_dev_run_sequential(&no_area, NULL, NULL, NULL, 0, 0.0, &out) != CHM_E_ARG || out.done)
+        FAIL("the sequential path ran on a device without one area");
     printf("all invariants held\n");
     return 0;
 }
