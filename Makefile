@@ -68,7 +68,8 @@ demo: setup
 bench: setup
 	$(PY) -m bench
 
-# Paper-scale trace replays (bench/repro_hymcache.py); REPRO="fig5 randread" runs a subset.
+# Paper-scale trace replays and serving simulations (bench/repro_hymcache.py); REPRO="fig5 randread" runs a
+# subset; the simulation presets are sim13, sim10, sim12, sim11, sim14, sim15 (chm hymcache simulate --figure N).
 repro: setup
 	$(PY) -m bench.repro_hymcache $(REPRO)
 

@@ -18,9 +18,10 @@ Experiments (all in virtual time on the emulator's controller, data off):
                    prefetch on vs off, for 1..8 clients (the paper: +37% with prefetch).
 * ``mooncake``  -- the Mooncake conversation trace, lru vs hymcache, paper profile, Llama-3.1-8B
                    blocks: per-window and whole-hour bandwidth and hit rate.
-* ``sim13``, ``sim10``, ``sim12``, ``sim11``, ``sim14`` -- the serving simulation's presets (``chm hymcache
+* ``sim13``, ``sim10``, ``sim12``, ``sim11``, ``sim14``, ``sim15`` -- the serving simulation's presets (``chm hymcache
                    simulate --figure N``: Fig. 13 single node, Fig. 10 PD 4P-1D-1S, Fig. 12 its staging sweep,
-                   Fig. 11 Mooncake over NVMe-oF, Fig. 14 LMCache with a Redis tier),
+                   Fig. 11 Mooncake over NVMe-oF, Fig. 14 LMCache with a Redis tier, Fig. 15b/c the device
+                   prefetch on and off),
                    every tier of the preset; the table as the command prints it, JSON and PNG to
                    ``bench/results/sim/figN.{json,png}``.
 
@@ -302,8 +303,12 @@ def sim14() -> None:
     _sim("14")
 
 
+def sim15() -> None:
+    _sim("15")
+
+
 EXPERIMENTS = {"fig5": fig5, "hymcache": hymcache, "randread": randread, "mooncake": mooncake,
-               "sim13": sim13, "sim10": sim10, "sim12": sim12, "sim11": sim11, "sim14": sim14}
+               "sim13": sim13, "sim10": sim10, "sim12": sim12, "sim11": sim11, "sim14": sim14, "sim15": sim15}
 
 
 def main(argv: list[str] | None = None) -> int:

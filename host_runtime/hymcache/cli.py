@@ -139,6 +139,8 @@ def register(sub) -> None:
 
     from .sim.cli import register as register_simulate  # the serving simulation (sim/): its own options
     register_simulate(hs)
+    from .sim.sweep import register as register_sweep  # a grid of simulations on Dask distributed
+    register_sweep(hs)
 
 
 def _set_shape_args(p, whose: str) -> None:

@@ -106,10 +106,9 @@ def register(sub) -> None:
     g.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2,...",
                    help="an axis of a grid of replays, each point one Dask task (repeatable; the grid is the product). "
                         "FIELD: " + _sweep_fields_help())
-    g.add_argument("--scheduler", metavar="tcp://HOST:8786",
-                   help="--sweep: a running Dask scheduler (default: a LocalCluster on this machine)")
-    g.add_argument("--workers", type=int_at_least(1),
-                   help="--sweep: LocalCluster worker processes, one thread each (default: min(points, CPUs))")
+    from .sweep import add_dask_args
+
+    add_dask_args(g, "--sweep: ")
     p.set_defaults(func=run)
 
 

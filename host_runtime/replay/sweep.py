@@ -10,6 +10,10 @@ runs -- as one task on Dask distributed: a ``LocalCluster`` of ``--workers`` sin
 processes by default, or the scheduler ``--scheduler`` names (its workers must import this package and
 read any trace file at the same path). Results come back in grid order: one table, ``sweep.json`` and
 ``sweep.png`` (``--out``).
+
+The Dask plumbing (``run_tasks``: a cluster, one task per spec, progress, results in spec order), the grid
+(``grid``) and the point labels (``point_label``, ``fmt_value``) are shared with ``chm hymcache sweep``
+(``host_runtime/hymcache/sim/sweep.py``): one definition.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from emulator.cli import UsageError
+from emulator.cli import UsageError, int_at_least
 from emulator.config import FIELDS_BY_KEY, parse_field_value
 from emulator.errors import ConfigError
 
@@ -154,40 +158,57 @@ def check_points(args: Namespace, points: list[dict]) -> list[dict]:
         try:
             cli.configs(Namespace(**spec["args"]))
         except (ValueError, ConfigError) as exc:
-            raise UsageError(f"--sweep point {_label(point)}: {exc}") from None
+            raise UsageError(f"--sweep point {point_label(point)}: {exc}") from None
         specs.append(spec)
     return specs
 
 
-def _label(point: dict) -> str:
-    return " ".join(f"{k}={_fmt(v, k)}" for k, v in point.items())
+def point_label(point: dict, byte_names: tuple[str, ...] = ("dram", "block")) -> str:
+    """``name=value ...``: the point's values as given (``fmt_value``)."""
+    return " ".join(f"{k}={fmt_value(v, k, byte_names)}" for k, v in point.items())
 
 
-def _fmt(value, name: str = "") -> str:
-    """A point's value as given: byte counts with their binary unit."""
-    if name in ("dram", "block") or name.endswith("_bytes"):
+
+def fmt_value(value, name: str = "", byte_names: tuple[str, ...] = ("dram", "block")) -> str:
+    """A point's value as given: byte counts (axes ``byte_names``, fields ``*_bytes``) with their binary unit."""
+    if (name in byte_names or name.endswith("_bytes")) and isinstance(value, int):
         for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
             if value >= 1 << shift and value % (1 << shift) == 0:
                 return f"{value >> shift}{unit}"
     return str(value)
 
 
-def run_sweep(specs: list[dict], scheduler: str | None = None, workers: int | None = None,
-              progress: bool = True) -> list[dict]:
-    """Every spec as one Dask task; the results in spec order. A task's exception is raised here."""
+
+def local_workers(points: int, workers: int | None = None) -> int:
+    """A LocalCluster's worker processes: ``workers``, else one per point up to the CPUs."""
+    return workers or min(points, os.cpu_count() or 1)
+
+
+def cluster_text(points: int, scheduler: str | None = None, workers: int | None = None) -> str:
+    """Where the tasks run, for the sweep's first line."""
+    if scheduler:
+        return f"the scheduler {scheduler}"
+    return f"a LocalCluster of {local_workers(points, workers)} single-threaded workers"
+
+
+def run_tasks(fn, specs: list, scheduler: str | None = None, workers: int | None = None, progress: bool = True,
+              desc: str = "sweep") -> list:
+    """``fn(spec)`` for every spec, each one Dask task: on the scheduler ``scheduler`` names, else on a
+    ``LocalCluster`` of ``workers`` single-threaded worker processes (default: one per spec up to the CPUs),
+    closed at the end. A progress bar of points on stderr. The results in spec order; a task's exception
+    is raised here. ``fn`` must be importable by the workers (a module-level function)."""
     from distributed import Client, LocalCluster, as_completed
     from tqdm import tqdm
 
     if scheduler:
         client, cluster = Client(scheduler, timeout="30s"), None
     else:
-        n = workers or min(len(specs), os.cpu_count() or 1)
-        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
-                               silence_logs=logging.ERROR)
+        cluster = LocalCluster(n_workers=local_workers(len(specs), workers), threads_per_worker=1, processes=True,
+                               dashboard_address=None, silence_logs=logging.ERROR)
         client = Client(cluster)
     try:
-        futures = client.map(run_point, specs, pure=False)
-        bar = tqdm(total=len(futures), unit="point", desc="sweep", disable=not progress)
+        futures = client.map(fn, specs, pure=False)
+        bar = tqdm(total=len(futures), unit="point", desc=desc, disable=not progress)
         for future in as_completed(futures):
             if future.status == "error":
                 future.result()  # raises the task's exception
@@ -198,6 +219,20 @@ def run_sweep(specs: list[dict], scheduler: str | None = None, workers: int | No
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def run_sweep(specs: list[dict], scheduler: str | None = None, workers: int | None = None,
+              progress: bool = True) -> list[dict]:
+    """Every replay spec as one Dask task (``run_point``); the results in spec order."""
+    return run_tasks(run_point, specs, scheduler, workers, progress)
+
+
+def format_columns(head: list[str], lines: list[list[str]]) -> str:
+    """A table: the header, a rule, the lines; every column right-aligned to its widest cell."""
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -217,12 +252,9 @@ def format_sweep(results: list[dict]) -> str:
     """One line per grid point: its values, then its totals and its wall time."""
     names = list(results[0]["point"])
     head = names + [c[0] for c in SWEEP_COLUMNS] + ["wall s"]
-    lines = [[_fmt(r["point"][n], n) for n in names] + [fmt.format(r["total"][key]) for _, key, fmt in SWEEP_COLUMNS]
+    lines = [[fmt_value(r["point"][n], n) for n in names] + [fmt.format(r["total"][key]) for _, key, fmt in SWEEP_COLUMNS]
              + [f"{r['speed']['wall_s']:.1f}"] for r in results]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in lines]
-    return "\n".join(out)
+    return format_columns(head, lines)
 
 
 def plot_sweep(results: list[dict], path: Path, title: str = "") -> None:
@@ -232,7 +264,7 @@ def plot_sweep(results: list[dict], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [_label(r["point"]) for r in results]
+    labels = [point_label(r["point"]) for r in results]
     ys = range(len(results))
     read = [r["total"]["read_s"] for r in results]
     recompute = [r["total"]["recompute_s"] for r in results]
@@ -255,12 +287,22 @@ def plot_sweep(results: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def write_sweep(results: list[dict], out_dir: str | Path, title: str = "") -> tuple[Path, Path]:
+def write_sweep(results: list[dict], out_dir: str | Path, title: str = "", plot=None) -> tuple[Path, Path]:
+    """``sweep.json`` (the results) and ``sweep.png`` (``plot(results, path, title)``; default this module's
+    ``plot_sweep``) in ``out_dir``."""
     import json
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / "sweep.json", out / "sweep.png"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    plot_sweep(results, png_path, title)
+    (plot or plot_sweep)(results, png_path, title)
     return json_path, png_path
+
+
+def add_dask_args(group, what: str = "") -> None:
+    """The options choosing where a sweep's tasks run: ``--scheduler`` and ``--workers``."""
+    group.add_argument("--scheduler", metavar="tcp://HOST:8786",
+                       help=f"{what}a running Dask scheduler (default: a LocalCluster on this machine)")
+    group.add_argument("--workers", type=int_at_least(1),
+                       help=f"{what}LocalCluster worker processes, one thread each (default: min(points, CPUs))")

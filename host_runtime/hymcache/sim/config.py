@@ -53,7 +53,8 @@ FIELDS = [
           "the storage node's aggregate link (Gbit/s): the HyMCache / CMM-H device's RDMA link"),
     Field("topology.rdma_latency_ns", "float", 0, 1e9, "--rdma-latency-ns", "one RDMA transfer's latency (ns)"),
     Field("workload.kind", "choice", flag="--workload", help="lmsys: LMSYS-style chat; aiperf: AIPerf-style synthetic "
-          "multi-turn", choices=("lmsys", "aiperf")),
+          "multi-turn; mooncake: a Mooncake JSONL trace, each request at its timestamp (--trace)",
+          choices=("lmsys", "aiperf", "mooncake")),
     Field("workload.conversations", "int", 1, 1_000_000, "--conversations", "conversations (the workload's size)"),
     Field("workload.turns", "int", 1, 1000, "--turns", "turns per conversation"),
     Field("workload.concurrency", "int", 1, 100_000, "--concurrency",
@@ -71,6 +72,15 @@ FIELDS = [
     Field("workload.input_tokens_stddev", "float", 0, 1e6, "--isl-stddev", "aiperf: ISL standard deviation"),
     Field("workload.prefix_ratio", "float", 0, 1, "--prefix-ratio",
           "aiperf: share of the first turn's ISL that is a prefix every conversation shares"),
+    Field("workload.min_prompt_tokens", "int", 0, 1_000_000, "--min-prompt-tokens",
+          "lmsys: every user prompt drawn from LMSYS's distribution conditioned on at least this many tokens (0: all)"),
+    Field("workload.trace", "path", flag="--trace", help="mooncake: the JSONL trace (\"\": the shared Mooncake "
+          "conversation trace, ../shared/data/traces/mooncake_conversation_trace.jsonl or $CHM_MOONCAKE_TRACE)"),
+    Field("workload.trace_limit", "int", 0, 1 << 40, "--trace-limit", "mooncake: only the trace's first N requests (0: all)"),
+    Field("workload.time_scale", "float", 1e-9, 1e9, "--time-scale",
+          "mooncake: multiply the trace's timestamps (< 1: more load)"),
+    Field("workload.window_s", "float", 1e-6, 1e9, "--window-s",
+          "mooncake: a report row per window of this many seconds of arrivals (instead of per turn)"),
     Field("workload.seed", "int", 0, 2**63 - 1, "--seed", "random seed of the token lengths"),
     Field("model.name", "choice", flag="--model", help="model (replay/models.py)", choices=tuple(MODELS)),
     Field("model.tokens_per_block", "int", 1, 1 << 20, "--tokens-per-block", "tokens per KV block"),
@@ -113,6 +123,8 @@ FIELDS = [
     Field("hymcache.profile", "str", flag="--hymcache-profile", help="device profile of the hymcache tier"),
     Field("hymcache.window_bytes", "bytes", 1, TiB, "--window", "KV Manager prefetch window per request"),
     Field("cmm-h.profile", "str", flag="--cmmh-profile", help="device profile of the cmm-h tier"),
+    Field("report.peak_window_ms", "float", 1e-3, 1e9, "--peak-window-ms",
+          "peak read bandwidth: the most bytes read in one window of this many ms (aligned at time 0), per ms"),
 ]
 BY_KEY = {f.key: f for f in FIELDS}
 
@@ -126,6 +138,8 @@ def _range(f: Field) -> str:
         return f"a non-empty list of distinct tiers from {', '.join(TIERS)}"
     if f.kind == "str":
         return "a non-empty string"
+    if f.kind == "path":
+        return "a file path, or \"\" for the default"
     if f.kind == "int":
         return f"an integer in [{int(f.lo)}, {int(f.hi)}]"
     if f.kind == "bytes":
@@ -181,6 +195,10 @@ def check(f: Field, value: Any, where: str | None = None) -> Any:
         if not isinstance(value, str) or not value:
             raise bad()
         return value
+    if f.kind == "path":
+        if not isinstance(value, str):
+            raise bad()
+        return value
     if f.kind == "byteslist":
         items = [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
         if not isinstance(items, list):
@@ -199,6 +217,37 @@ def check(f: Field, value: Any, where: str | None = None) -> Any:
             raise bad()
         return list(items)
     raise AssertionError(f.kind)
+
+
+def check_settings(s: dict[str, Any]) -> None:
+    """What no single field's range says: ValueError naming the fields and their values."""
+    from host_runtime.replay.traces import MOONCAKE_TOKENS_PER_HASH
+
+    B, chunk = s["model.tokens_per_block"], s["lmcache.chunk_tokens"]
+    if chunk % B:
+        raise ValueError(f"--chunk-tokens {chunk} must be a multiple of --tokens-per-block {B}")
+    if s["workload.kind"] == "mooncake":
+        # a block key, and an LMCache / Mooncake chunk key, names its prefix: each must lie inside one hash block
+        for flag, n in (("--tokens-per-block", B), ("--chunk-tokens", chunk)):
+            if MOONCAKE_TOKENS_PER_HASH % n:
+                raise ValueError(f"{flag} {n} must divide the Mooncake trace's hash block of "
+                                 f"{MOONCAKE_TOKENS_PER_HASH} tokens (--workload mooncake)")
+
+
+def trace_path(s: dict[str, Any]) -> Path:
+    """The trace of ``workload.trace``: the path given, or the shared Mooncake conversation trace. ValueError
+    saying where it was looked for when it is not there."""
+    from emulator.shared_data import mooncake_conversation_trace
+
+    if s["workload.trace"]:
+        path = Path(s["workload.trace"])
+        if not path.is_file():
+            raise ValueError(f"--trace {s['workload.trace']!r}: no such file")
+        return path
+    try:
+        return mooncake_conversation_trace()
+    except FileNotFoundError as exc:
+        raise ValueError(f"--trace \"\" (the shared trace): {exc.strerror}") from None
 
 
 def preset_path(figure: str | int) -> Path:

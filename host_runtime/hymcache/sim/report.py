@@ -5,7 +5,8 @@ from __future__ import annotations
 COLUMNS = [("tier", "tier", 13, "s"), ("turn", "turn", 4, "d"), ("hit %", "hit_rate", 6, "%"),
            ("gpu hit %", "gpu_hit_rate", 9, "%"), ("TTFT p50 ms", "ttft_p50_ms", 11, ".0f"),
            ("TTFT p99 ms", "ttft_p99_ms", 11, ".0f"), ("e2e ms", "e2e_ms", 8, ".0f"),
-           ("read GB/s", "read_gbps", 9, ".2f"), ("write GB/s", "write_gbps", 10, ".2f"),
+           ("read GB/s", "read_gbps", 9, ".2f"), ("loading GB/s", "read_gbps_loading", 12, ".2f"),
+           ("peak GB/s", "read_gbps_peak", 9, ".2f"), ("write GB/s", "write_gbps", 10, ".2f"),
            ("skipped", "skipped_inserts", 7, "d"), ("recomputed tok", "recomputed_tokens", 14, "d"),
            ("turn s", "turn_s", 7, ".1f")]
 
@@ -40,8 +41,14 @@ def table(result: dict) -> str:
     for name, x in result["speedups"].items():
         lines.append(f"speedup {name.replace('_', ' ')}: {x:.2f}x (makespan ratio)")
     w = result["workload"]
-    lines.append(f"workload: {w['requests']} requests; KV of the last turn's histories "
-                 f"{w['kv_footprint_bytes'] / 1e9:.1f} GB, reused by the last turn {w['reusable_footprint_bytes'] / 1e9:.1f} GB")
+    if w.get("trace"):  # a Mooncake trace: rows are windows of arrival time
+        lines.append(f"workload: {w['requests']} trace requests (a row per window of arrivals); KV of its distinct "
+                     f"blocks {w['kv_footprint_bytes'] / 1e9:.1f} GB, reused by a later request "
+                     f"{w['reusable_footprint_bytes'] / 1e9:.1f} GB")
+    else:
+        lines.append(f"workload: {w['requests']} requests; KV of the last turn's histories "
+                     f"{w['kv_footprint_bytes'] / 1e9:.1f} GB, reused by the last turn "
+                     f"{w['reusable_footprint_bytes'] / 1e9:.1f} GB")
     return "\n".join(lines)
 
 

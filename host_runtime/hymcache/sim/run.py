@@ -13,8 +13,11 @@ Definitions (issue #12):
 * ``recomputed_tokens``: reusable prefix tokens neither in the GPU nor loaded, computed again.
 * ``read_gbps`` / ``write_gbps``: bytes the remote tier moved for the turn's requests over the
   turn's span (first arrival to last finish; with the per-session client the turns' spans overlap).
-  The summary's ``read_gbps_loading`` is every read byte over the time at least one worker was
-  loading (``loading_s``): the tier's read rate while it is being read, not diluted by compute.
+  ``read_gbps_loading``: the turn's read bytes over the time at least one of its loads ran (the union
+  of their spans): the tier's read rate while it is being read, not diluted by compute; the summary's
+  is every read byte over the time at least one worker was loading (``loading_s``).
+  ``read_gbps_peak``: the most bytes read in one window of ``report.peak_window_ms`` (windows aligned at
+  time 0; a load's bytes spread evenly over its span), per second.
 * ``skipped_inserts``: blocks offered to the remote tier and not stored (write buffer full, no
   staging room); they are offered again next turn.
 * ``ttft``: arrival at the worker to the first token; ``e2e``: arrival to the last token (the mean
@@ -35,14 +38,16 @@ from .gpu import StepModel, load_serving_gpu
 from .gpucache import GpuPrefixCache
 from .tiers import (FsPath, GpuPrefixTier, HyMCacheTier, Host, LMCacheLocal, LMCacheRedis, MooncakeNvmeofTier,
                     MooncakePool, MooncakeTier, Nic, RecomputeTier, Redis, rdma)
-from .worker import DecodeWorker, Worker, client, session_client
-from .workload import aiperf_conversations, conversations, reusable_footprint_bytes
+from .worker import DecodeWorker, Worker, client, open_client, session_client
+from .workload import aiperf_conversations, conversations, footprints, mooncake_requests
 
 ROW_FIELDS = ("tier", "turn", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "e2e_ms", "read_gbps", "write_gbps",
               "skipped_inserts", "recomputed_tokens")
-EXTRA_FIELDS = ("gpu_hit_rate", "reuse_rate", "ttft_mean_ms", "turn_s", "requests", "reusable_tokens",
+EXTRA_FIELDS = ("read_gbps_loading", "read_gbps_peak", "gpu_hit_rate", "reuse_rate", "ttft_mean_ms", "turn_s",
+                "requests", "reusable_tokens",
                 "gpu_hit_tokens", "loaded_tokens", "computed_tokens", "timeouts", "base_tier", "staging_bytes")
-USES_STAGING = ("mooncake-dram", "mooncake-nvmeof", "hymcache", "cmm-h")  # tiers whose transfers go through the staging buffer
+# tiers whose transfers go through the staging buffer
+USES_STAGING = ("mooncake-dram", "mooncake-nvmeof", "hymcache", "hymcache-noprefetch", "cmm-h")
 
 
 def device_config(profile: str, dram_bytes: int, policy: str | None = None, link_gbps: float | None = None):
@@ -116,14 +121,15 @@ def make_tiers(name: str, env: Env, hosts: list[Host], s: dict, block_bytes: int
                              local=LMCacheLocal(env, h, block_bytes, B, s["tiers.dram"], s["lmcache.chunk_tokens"])
                              if local else None)
                 for h in hosts]
-    if name in ("hymcache", "cmm-h"):
-        hym = name == "hymcache"
+    if name in ("hymcache", "hymcache-noprefetch", "cmm-h"):
+        # hymcache-noprefetch: HyMCache's device policy (DRAM split, write path) and Master, demand reads
+        hym = name != "cmm-h"
         cfg = device_config(s["hymcache.profile" if hym else "cmm-h.profile"], s["tiers.dram"],
                             "hymcache" if hym else "lru", s["topology.storage_gbps"])
         out = []
         for h in hosts:
             out.append(HyMCacheTier(env, h, block_bytes, cfg, window_bytes=s["hymcache.window_bytes"],
-                                    timeout_s=s["tiers.load_timeout_s"], prefetch=hym, name=name,
+                                    timeout_s=s["tiers.load_timeout_s"], prefetch=name == "hymcache", name=name,
                                     peer=out[0] if out else None))
         return out
     raise ValueError(f"tier {name!r} is not built here")
@@ -137,6 +143,14 @@ def make_tier(name: str, env: Env, host: Host, s: dict, block_bytes: int):
 def make_turns(s: dict):
     """The workload of settings ``s``: ``result[t - 1]`` = turn t of every conversation."""
     P = s["topology.prefill_workers"] if s["topology.kind"] == "pd" else 1
+    if s["workload.kind"] == "mooncake":
+        from .config import trace_path
+
+        B = s["model.tokens_per_block"]
+        return mooncake_requests(trace_path(s), tokens_per_block=B,
+                                 block_bytes=get_model(s["model.name"]).block_bytes(B),
+                                 limit=s["workload.trace_limit"] or None, time_scale=s["workload.time_scale"],
+                                 window_s=s["workload.window_s"], prefill_workers=P)
     if s["workload.kind"] == "aiperf":
         return aiperf_conversations(s["workload.conversations"], s["workload.turns"],
                                     input_tokens=s["workload.input_tokens"],
@@ -145,7 +159,8 @@ def make_turns(s: dict):
                                     prefill_workers=P, seed=s["workload.seed"])
     turns = conversations(s["workload.conversations"], s["workload.turns"],
                           mean_prompt_tokens=s["workload.mean_prompt_tokens"],
-                          mean_response_tokens=s["workload.mean_response_tokens"], seed=s["workload.seed"])
+                          mean_response_tokens=s["workload.mean_response_tokens"],
+                          min_prompt_tokens=s["workload.min_prompt_tokens"], seed=s["workload.seed"])
     if P > 1:
         import dataclasses
         turns = [[dataclasses.replace(t, worker=t.conversation % P) for t in batch] for batch in turns]
@@ -165,6 +180,22 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _peak(loads: list[tuple[float, float, int]], window_ns: float) -> float:
+    """The most bytes in one window of ``window_ns`` (aligned at 0) per second (GB/s); ``loads``: (start, end,
+    bytes), each load's bytes spread evenly over its span (all in its window if it took no time)."""
+    bins: dict[int, float] = {}
+    for a, b, n in loads:
+        first, last = int(a // window_ns), int(b // window_ns)
+        if b <= a or first == last:
+            bins[first] = bins.get(first, 0.0) + n
+            continue
+        for k in range(first, last + 1):
+            lo, hi = max(a, k * window_ns), min(b, (k + 1) * window_ns)
+            if hi > lo:
+                bins[k] = bins.get(k, 0.0) + n * (hi - lo) / (b - a)
+    return max(bins.values()) / window_ns if bins else 0.0
+
+
 def _pct(values: list[float], p: float) -> float:
     if not values:
         return 0.0
@@ -179,6 +210,7 @@ class TurnStats:
         self.e2e: list[float] = []
         self.reusable = self.gpu_hit = self.loaded = self.requested = 0
         self.read_bytes = self.write_bytes = self.skipped = self.timeouts = self.computed = 0
+        self.loads: list[tuple[float, float, int]] = []  # (start, end, bytes read) of each load
 
     def add(self, r) -> None:
         self.ttft.append(r.first_token - r.arrival)
@@ -191,13 +223,16 @@ class TurnStats:
         self.requested += beyond
         self.loaded += min(r.loaded, beyond)
         self.read_bytes += r.read_bytes
+        if r.read_bytes:
+            self.loads.append((r.load_start, r.load_end, r.read_bytes))
         self.write_bytes += r.write_bytes
         self.skipped += r.skipped_inserts
         self.timeouts += r.timeouts
         self.computed += r.computed_tokens
 
-    def row(self, tier: str, B: int) -> dict:
+    def row(self, tier: str, B: int, peak_window_ns: float) -> dict:
         span = (self.end - self.start) / 1e9
+        loading = _union([(a, b) for a, b, _ in self.loads])
         if tier == "gpu-prefix":
             hit = self.gpu_hit / self.reusable if self.reusable else None
         else:
@@ -208,6 +243,8 @@ class TurnStats:
             "e2e_ms": sum(self.e2e) / len(self.e2e) / 1e6 if self.e2e else 0.0,
             "read_gbps": self.read_bytes / span / 1e9 if span > 0 else 0.0,
             "write_gbps": self.write_bytes / span / 1e9 if span > 0 else 0.0,
+            "read_gbps_loading": self.read_bytes / loading if loading > 0 else 0.0,
+            "read_gbps_peak": _peak(self.loads, peak_window_ns),
             "skipped_inserts": self.skipped,
             "recomputed_tokens": (self.reusable - self.gpu_hit - self.loaded) * B,
             "gpu_hit_rate": self.gpu_hit / self.reusable if self.reusable else None,
@@ -286,7 +323,10 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
                        max_tokens=1 if pd else s["workload.max_tokens"],
                        decode_tokens=s["workload.max_tokens"] if pd else 0,
                        on_turn_start=lambda t, now: stats.append(TurnStats(t, now)), on_done=on_done)
-    if s["workload.client"] == "per-session":
+    if s["workload.kind"] == "mooncake":  # a trace: open loop, at its timestamps
+        c = env.process(open_client(env, turns, workers, window_ns=s["workload.window_s"] * 1e9,
+                                    **{k: v for k, v in client_args.items() if k != "concurrency"}))
+    elif s["workload.client"] == "per-session":
         c = env.process(session_client(env, turns, workers, turn_delay_ns=s["workload.turn_delay_ms"] * 1e6,
                                        **client_args))
     else:
@@ -295,7 +335,8 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
         env.run()
         if not c.done.fired:
             raise RuntimeError("the simulation stopped with requests outstanding (a process waits forever)")
-    rows = [st.row(label, B) for st in stats]
+    peak_ns = s["report.peak_window_ms"] * 1e6
+    rows = [st.row(label, B, peak_ns) for st in stats]
     for row in rows:
         row["base_tier"], row["staging_bytes"] = name, s["tiers.staging"]
     ttft = [x for st in stats for x in st.ttft]
@@ -312,6 +353,7 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
                "gpu_busy_s": sum(w.busy_ns for w in workers) / 1e9, "load_s": sum(w.load_ns for w in workers) / 1e9,
                "loading_s": loading_ns / 1e9,
                "read_gbps_loading": read_bytes / loading_ns if loading_ns > 0 else 0.0,
+               "read_gbps_peak": _peak([ld for st in stats for ld in st.loads], peak_ns),
                "staging_peak_bytes": max(h.staging.peak for h in hosts),
                "staging_waits": sum(h.staging.waits for h in hosts),
                "staging_timeouts": sum(h.staging.timeouts for h in hosts),
@@ -388,8 +430,7 @@ def simulate(s: dict, progress: bool = False) -> dict:
         "summary": summaries, "speedups": speedups,
         "details": {r["tier"]: r["details"] for r in results},
         "workload": {"requests": sum(len(t) for t in turns),
-                     "reusable_footprint_bytes": reusable_footprint_bytes(turns, model.bytes_per_token),
-                     "kv_footprint_bytes": sum(t.input_tokens for t in turns[-1]) * model.bytes_per_token},
+                     **footprints(turns, model.bytes_per_token, s["model.tokens_per_block"])},
         "wall_s": time.perf_counter() - wall0,
     }
 

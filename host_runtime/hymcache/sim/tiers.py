@@ -23,8 +23,9 @@ prefill node, Mooncake Store's master rules, per-node transfer buffers with inse
 ``lmcache-redis`` (LMCache's remote backend, one Redis over TCP, stores refused at ``maxmemory``),
 ``lmcache-local+redis`` (LMCache's local DRAM first, then that Redis),
 ``hymcache`` (the runtime's Master and KV Manager in process, the emulator's Controller as the
-device, in virtual time) and ``cmm-h`` (the same Master over a stock CMM-H: the Controller with
-policy ``lru``, demand reads, no prefetch window).
+device, in virtual time), ``hymcache-noprefetch`` (the same device policy and Master, no KV Manager
+window: demand reads in order, as ``chm replay``'s variant of that name) and ``cmm-h`` (the same Master
+over a stock CMM-H: the Controller with policy ``lru``, demand reads, no prefetch window).
 
 In the PD topology (``topology.py``) every prefill node has its own tier object (its host: PCIe,
 staging/transfer buffer, its NIC ports) over one shared backend (the Mooncake pool; the HyMCache
@@ -45,7 +46,7 @@ from emulator.timing import Pipe
 from .events import Env
 
 TIERS = ("recompute", "gpu-prefix", "lmcache-local", "mooncake-dram", "mooncake-nvmeof", "lmcache-redis",
-         "lmcache-local+redis", "hymcache", "cmm-h")
+         "lmcache-local+redis", "hymcache", "hymcache-noprefetch", "cmm-h")
 NS = 1e9
 
 
@@ -58,7 +59,11 @@ def blocks_per_chunk(chunk_tokens: int, tokens_per_block: int) -> int:
 
 
 def chunk_key(req, c: int, per_chunk: int) -> tuple[int, int]:
-    """Chunk ``c``'s key in a chunked tier: (-1, c) inside the shared prefix, else (conversation, c)."""
+    """Chunk ``c``'s key in a chunked tier: (-1, c) inside the shared prefix, else (conversation, c); a trace's
+    request: (-2, the key of the chunk's first block), which names the chunk's prefix because a chunk lies
+    inside one hash block (``config.check_settings``)."""
+    if req.keys:
+        return -2, req.keys[c * per_chunk]
     return (-1 if (c + 1) * per_chunk <= req.shared_blocks else req.conv), c
 
 
@@ -849,7 +854,8 @@ class HyMCacheTier(RemoteTier):
       device write per block, in order; a write the device refuses (write buffer full) is skipped,
       counted and revoked, so the next turn offers it again; one ``put_end``.
 
-    ``prefetch=False`` (the ``cmm-h`` tier: policy ``lru``): no Manager window; demand reads in order.
+    ``prefetch=False`` (the ``hymcache-noprefetch`` tier, policy ``hymcache``; the ``cmm-h`` tier, policy
+    ``lru``): no Manager window; demand reads in order, each block looked up in the Master at the load.
     """
 
     name = "hymcache"
@@ -900,7 +906,10 @@ class HyMCacheTier(RemoteTier):
         return ks[:n]
 
     def req_keys(self, req, n: int) -> list[bytes]:
-        """A request's first ``n`` block keys: the shared prefix's (owner -1) then its conversation's."""
+        """A request's first ``n`` block keys: the shared prefix's (owner -1) then its conversation's; a trace's
+        request: its own keys (first word all ones: no conversation's)."""
+        if req.keys:
+            return [struct.pack("<QQ", (1 << 64) - 1, k) for k in req.keys[:n]]
         shared = min(n, req.shared_blocks)
         if not shared:
             return self.keys(req.conv, n)

@@ -33,6 +33,12 @@ Two clients (``workload.client``):
   example (``--conversation-num 10 --concurrency 2``: "2 conversations will run concurrently").
 
 Both report per turn index (turn t's rows: every conversation's turn t, whenever it ran).
+
+A Mooncake trace (``workload.kind = mooncake``) has its own, open-loop client (``open_client``): each
+request is submitted at its timestamp, however many are in flight; its rows are windows of arrival time.
+
+Each request records when its connector load ran (``load_start``, ``load_end``): the report's read
+bandwidth while loading and its peak come from these spans.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ class Request:
                  "gpu_hit", "remote_hit", "loaded", "computed", "generated", "looked_up", "alloc_blocks",
                  "cached", "arrival", "first_token", "finish", "done", "read_bytes", "write_bytes",
                  "skipped_inserts", "timeouts", "new_load", "computed_tokens", "shared_blocks", "worker",
-                 "decode_tokens", "decoded", "prefill_done", "kv_arrived", "decode_blocks")
+                 "decode_tokens", "decoded", "prefill_done", "kv_arrived", "decode_blocks", "keys", "load_start",
+                 "load_end")
 
     def __init__(self, turn, tokens_per_block: int, max_tokens: int, done, decode_tokens: int = 0):
         self.rid = f"c{turn.conversation}-t{turn.turn}"
@@ -58,6 +65,9 @@ class Request:
         # blocks of a shared prefix (every conversation's first tokens): keyed alike across conversations
         self.shared_blocks = getattr(turn, "shared_tokens", 0) // tokens_per_block
         self.worker = getattr(turn, "worker", 0)
+        # a trace's block keys (each names its prefix, as a Mooncake hash id); () for the generated workloads,
+        # whose keys are (owner, position)
+        self.keys = getattr(turn, "keys", ())
         # blocks an earlier request computed: the previous turn's full input blocks (and the shared prefix)
         self.reusable_blocks = min(max(turn.prev_input_tokens // tokens_per_block, self.shared_blocks),
                                    self.lookup_blocks)
@@ -73,13 +83,24 @@ class Request:
         # PD: tokens the decode worker generates after the prefill worker's first one (0: no decode stage)
         self.decode_tokens, self.decoded, self.decode_blocks = decode_tokens, 0, 0
         self.prefill_done = self.kv_arrived = 0.0
+        self.load_start = self.load_end = 0.0  # the connector's load of this request (equal: none)
 
     def owner(self, i: int) -> int:
         """Whose block ``i`` is: -1 for the shared prefix (the same key in every conversation), else the conversation."""
         return -1 if i < self.shared_blocks else self.conv
 
     def gpu_key(self, i: int) -> int:
+        if self.keys:
+            return self.keys[i]
         return ((self.owner(i) + 1) << 24) | i
+
+    def gpu_keys(self, lo: int, hi: int) -> list:
+        """``[gpu_key(i) for i in range(lo, hi)]``, without a call per block."""
+        if self.keys:
+            return list(self.keys[lo:hi])
+        shared = min(max(self.shared_blocks, lo), hi)
+        own = (self.conv + 1) << 24
+        return list(range(lo, shared)) + [own | i for i in range(shared, hi)]  # the shared prefix: owner -1
 
 
 class _Sleeper:
@@ -118,7 +139,7 @@ class Worker(_Sleeper):
 
     def _look_up(self, r: Request) -> None:
         r.looked_up = True
-        keys = [r.gpu_key(i) for i in range(r.lookup_blocks)]
+        keys = r.gpu_keys(0, r.lookup_blocks)
         r.gpu_hit = self.gpu.match(keys)
         r.remote_hit = self.tier.lookup(r)
 
@@ -143,7 +164,7 @@ class Worker(_Sleeper):
                 if not r.looked_up:
                     self._look_up(r)
                 blocks = -(-(r.input + r.max_tokens) // B)
-                hit = [r.gpu_key(i) for i in range(r.gpu_hit)]
+                hit = r.gpu_keys(0, r.gpu_hit)
                 if not gpu.allocate(hit, blocks - r.gpu_hit):
                     if not self.running and not self.handed:
                         raise ValueError(f"request {r.rid} needs {blocks} KV blocks; the GPU's KV cache holds "
@@ -166,7 +187,9 @@ class Worker(_Sleeper):
             # the connector's loads, before the forward
             for r in admitted:
                 if r.new_load:
+                    r.load_start = env.now
                     loaded = yield from tier.load(r, r.new_load)
+                    r.load_end = env.now
                     r.loaded = loaded
                     self._cache(r, r.gpu_hit + loaded)
                     if loaded < r.new_load:  # recompute from the first block not loaded
@@ -212,7 +235,7 @@ class Worker(_Sleeper):
     def _cache(self, r: Request, upto: int) -> None:
         """``r``'s blocks up to ``upto`` are full and computed (or loaded): into the GPU prefix cache."""
         if self.gpu.caching and upto > len(r.cached):
-            keys = [r.gpu_key(i) for i in range(len(r.cached), upto)]
+            keys = r.gpu_keys(len(r.cached), upto)
             self.gpu.cache(keys)
             r.cached.extend(keys)
 
@@ -361,3 +384,32 @@ def session_client(env: Env, turns, workers, *, concurrency: int, tokens_per_blo
     sessions = [env.process(session()) for _ in range(min(concurrency, len(queue)))]
     for s in sessions:
         yield s.done
+
+
+def open_client(env: Env, turns, workers, *, tokens_per_block: int, max_tokens: int, window_ns: float,
+                on_turn_start, on_done, decode_tokens: int = 0):
+    """A trace's client, open loop: every request (``Turn.arrival_ns``) submitted at its arrival, however many
+    are in flight. ``turns[w - 1]``: the requests arriving in window w (``window_ns`` long, from 0);
+    ``on_turn_start(w, start)`` fires for every window in order, at its start (or at the first arrival
+    in it), empty windows included, so each gets a row."""
+    if not isinstance(workers, (list, tuple)):
+        workers = [workers]
+    pending = []
+
+    def one(turn):
+        req = Request(turn, tokens_per_block, max_tokens, env.event(), decode_tokens)
+        workers[req.worker % len(workers)].submit(req)
+        yield req.done
+        on_done(req)
+
+    for w, batch in enumerate(turns, 1):
+        start = (w - 1) * window_ns
+        if start > env.now:
+            yield start
+        on_turn_start(w, env.now)
+        for turn in batch:
+            if turn.arrival_ns > env.now:
+                yield turn.arrival_ns
+            pending.append(env.process(one(turn)))
+    for p in pending:
+        yield p.done

@@ -1,5 +1,5 @@
-"""Multi-turn workloads: chat with LMSYS-Chat-1M statistics (Fig. 13) and AIPerf-style synthetic
-conversations (Fig. 10, 12).
+"""Workloads: multi-turn chat with LMSYS-Chat-1M statistics (Fig. 13, 15), AIPerf-style synthetic
+conversations (Fig. 10, 12) and Mooncake JSONL traces (open loop, at the trace's timestamps).
 
 LMSYS-style chat (``conversations``):
 
@@ -21,13 +21,33 @@ Turn t of a conversation sends its whole history: the prompts of turns 1..t and 
 responses of turns 1..t-1 (the responses come from the data set, not from the model: the model
 decodes ``max_tokens``). The KV the previous turn computed is its input: the next turn can reuse
 its full blocks.
+
+``min_prompt_tokens`` (Fig. 15: LMSYS requests with inputs over 2K characters, at 4 characters per
+token) draws every user prompt from the same lognormal conditioned on at least that many tokens
+(inverse CDF of the normal's upper tail: one draw per prompt, no rejection loop); 0 leaves the draws
+exactly as they are without it.
+
+Mooncake JSONL traces (``mooncake_requests``): the replayer's reader (``replay/traces.py``
+``MooncakeTrace``: its checks, its 512-token hash ids mapped to model-sized blocks, its timestamps counted
+from the first and scaled) gives each request's block keys and arrival. The trace has no sessions (its
+requests share prefixes -- every one starts with hash 0 -- rather than extend one another: 12 of its
+12,031 requests extend an earlier request whole), so it is not cut into conversations and turns: each
+request is submitted at its timestamp (open loop, ``worker.open_client``), its block keys are its hash
+ids' blocks (a key names its whole prefix, as a Mooncake hash does), and a report row is a window of
+``window_s`` seconds of arrivals (``Turn.turn`` is the window's index). What the reader keeps is the
+timestamp and the hash ids, so a request's input is its hash blocks in full (``len(hash_ids) x 512``
+tokens: the trace's ``input_length`` rounded up to the hash block, 243 tokens more on average) and its
+output is the settings' ``max_tokens``. Its *reusable* prefix is the leading blocks an earlier request
+(in arrival order) had.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from host_runtime.replay.traces import ConversationGenerator
 
@@ -45,21 +65,39 @@ class Turn:
     prev_input_tokens: int  # the previous turn's input (its KV was computed then); 0 on turn 1
     shared_tokens: int = 0  # the first tokens are a prefix every conversation shares (AIPerf's prefix prompt)
     worker: int = 0         # the prefill worker the router sends the conversation to
+    keys: tuple = ()        # a trace's block keys (each names its whole prefix); () for the generated workloads
+    arrival_ns: float = 0.0  # a trace's request: when it is submitted (open loop)
 
 
 def conversations(n: int, turns: int, *, mean_prompt_tokens: float = LMSYS_PROMPT_TOKENS,
-                  mean_response_tokens: float = LMSYS_RESPONSE_TOKENS, seed: int = 0) -> list[list[Turn]]:
-    """``result[t - 1]``: turn t of every conversation, in conversation order."""
+                  mean_response_tokens: float = LMSYS_RESPONSE_TOKENS, min_prompt_tokens: int = 0,
+                  seed: int = 0) -> list[list[Turn]]:
+    """``result[t - 1]``: turn t of every conversation, in conversation order. ``min_prompt_tokens``: every
+    prompt is drawn conditioned on at least that many tokens (module docstring)."""
     rng = random.Random(seed)
 
     def tokens(mean: float) -> int:  # as ConversationGenerator.phases draws them
         return max(1, int(rng.lognormvariate(0.0, 1.0) / _LOGNORMAL_MEAN * mean))
 
+    tail, inv = 0.0, NormalDist().inv_cdf
+    if min_prompt_tokens > 0:
+        # lognormal(0, 1) / e^(1/2) x mean >= m  <=>  z >= a = ln(m e^(1/2) / mean); z from the tail above a
+        tail = NormalDist().cdf(-math.log(min_prompt_tokens * _LOGNORMAL_MEAN / mean_prompt_tokens))
+        if tail <= 0.0:
+            raise ValueError(f"min_prompt_tokens = {min_prompt_tokens} is beyond the prompt distribution of mean "
+                             f"{mean_prompt_tokens} (its tail there is below the float's resolution)")
+
+    def prompt(mean: float) -> int:
+        if not min_prompt_tokens:
+            return tokens(mean)
+        z = -inv(tail * (1.0 - rng.random()))  # 1 - random() is in (0, 1]: z >= a
+        return max(min_prompt_tokens, int(math.exp(z) / _LOGNORMAL_MEAN * mean))
+
     by_turn: list[list[Turn]] = [[] for _ in range(turns)]
     for c in range(n):
         history = prev = 0
         for t in range(1, turns + 1):
-            history += tokens(mean_prompt_tokens)
+            history += prompt(mean_prompt_tokens)
             by_turn[t - 1].append(Turn(c, t, history, prev))
             prev = history
             history += tokens(mean_response_tokens)
@@ -105,6 +143,53 @@ def aiperf_conversations(n: int, turns: int, *, input_tokens: float, input_token
             prev = history
             history += output_tokens
     return by_turn
+
+
+def mooncake_requests(path, *, tokens_per_block: int, block_bytes: int, limit: int | None = None,
+                      time_scale: float = 1.0, window_s: float = 600.0, prefill_workers: int = 1) -> list[list[Turn]]:
+    """A Mooncake JSONL trace (module docstring): ``result[w - 1]``, the requests arriving in window w
+    (``window_s`` seconds of scaled arrival time), in arrival order; request i is ``Turn.conversation`` i,
+    routed to prefill worker ``i % prefill_workers``. ValueError for a bad file (the reader's message)."""
+    from host_runtime.replay.traces import MooncakeTrace
+
+    if not window_s > 0:
+        raise ValueError(f"window_s = {window_s!r} must be > 0")
+    trace = MooncakeTrace(path, block_bytes, tokens_per_block, limit=limit, time_scale=time_scale)
+    phase = next(iter(trace.phases()))  # one stream per request, started at its scaled timestamp (ns from the first)
+    streams = sorted(enumerate(phase.streams), key=lambda s: (s[1].start_ns, s[0]))  # the trace's order on ties
+    window_ns = window_s * 1e9
+    seen: set[int] = set()
+    by_window: list[list[Turn]] = []
+    for i, (_, stream) in enumerate(streams):
+        keys = tuple(stream.requests[0].keys)
+        reusable = 0
+        while reusable < len(keys) and keys[reusable] in seen:
+            reusable += 1
+        seen.update(keys)
+        w = int(stream.start_ns // window_ns) + 1
+        while len(by_window) < w:
+            by_window.append([])
+        by_window[w - 1].append(Turn(i, w, len(keys) * tokens_per_block, reusable * tokens_per_block,
+                                     worker=i % prefill_workers, keys=keys, arrival_ns=stream.start_ns))
+    return by_window
+
+
+def footprints(turns: list[list[Turn]], bytes_per_token: int, tokens_per_block: int) -> dict:
+    """``kv_footprint_bytes``: KV of the last turn's histories (a trace: of its distinct blocks);
+    ``reusable_footprint_bytes``: what the last turn can reuse, the previous turn's inputs (a trace: the
+    distinct blocks some later request reuses)."""
+    if any(t.keys for batch in turns for t in batch):
+        distinct: set = set()
+        reused: set = set()
+        for batch in turns:
+            for t in batch:
+                distinct.update(t.keys)
+                reused.update(t.keys[:t.prev_input_tokens // tokens_per_block])
+        block = bytes_per_token * tokens_per_block
+        return {"kv_footprint_bytes": len(distinct) * block, "reusable_footprint_bytes": len(reused) * block,
+                "trace": True}
+    return {"kv_footprint_bytes": sum(t.input_tokens for t in turns[-1]) * bytes_per_token,
+            "reusable_footprint_bytes": reusable_footprint_bytes(turns, bytes_per_token)}
 
 
 def reusable_footprint_bytes(turns: list[list[Turn]], bytes_per_token: int) -> int:
