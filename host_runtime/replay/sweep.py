@@ -63,26 +63,39 @@ def _profile_value(key: str, text: str, where: str) -> Any:
         raise ValueError(exc.message if hasattr(exc, "message") else str(exc)) from None
 
 
+def split_axis(item: str, axes: dict, shorthands: dict, keys, example: str, such_as: str,
+               keys_are: str) -> tuple[str, list[str]]:
+    """One ``--sweep FIELD=V1,V2,...`` item: (FIELD, its value texts). FIELD is a shorthand (``shorthands[name][0]``
+    is the setting it sets) or one of ``keys``; ``axes``, the axes given before it, must not set the same setting.
+    A bad item is a UsageError naming the field and what is allowed."""
+    name, sep, values = item.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise UsageError(f"--sweep {item!r} must be FIELD=V1,V2,... (e.g. {example}); fields: "
+                         f"{', '.join(shorthands)} or {such_as}")
+    if name not in shorthands and name not in keys:
+        raise UsageError(f"--sweep {name}: unknown field; allowed: {', '.join(shorthands)}, or {keys_are}: "
+                         f"{', '.join(keys)}")
+
+    def target(a: str) -> str:
+        return shorthands[a][0] if a in shorthands else a
+
+    if target(name) in (target(a) for a in axes):
+        raise UsageError(f"--sweep {name} is given twice (or as both its shorthand and {target(name)}): give one axis")
+    texts = [v.strip() for v in values.split(",") if v.strip()]
+    if not texts:
+        raise UsageError(f"--sweep {name}= names no value")
+    return name, texts
+
+
 def parse_sweep(items: list[str], generators: tuple[str, ...] = ()) -> dict[str, list]:
     """``["dram=16GiB,32GiB", "variant=lru,hymcache"]`` -> ``{"dram": [17179869184, 34359738368], ...}``.
 
     A bad item is a UsageError naming the field, the value and what is allowed."""
     axes: dict[str, list] = {}
     for item in items:
-        name, sep, values = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise UsageError(f"--sweep {item!r} must be FIELD=V1,V2,... (e.g. dram=16GiB,32GiB); fields: "
-                             f"{', '.join(SHORTHANDS)} or a profile field such as policy.flush_batch_bytes")
-        if name not in SHORTHANDS and name not in FIELDS_BY_KEY:
-            raise UsageError(f"--sweep {name}: unknown field; allowed: {', '.join(SHORTHANDS)}, or a profile field: "
-                             f"{', '.join(FIELDS_BY_KEY)}")
-        target = SHORTHANDS[name][0] if name in SHORTHANDS else name
-        if target in (SHORTHANDS[a][0] if a in SHORTHANDS else a for a in axes):
-            raise UsageError(f"--sweep {name} is given twice (or as both its shorthand and {target}): give one axis")
-        texts = [v.strip() for v in values.split(",") if v.strip()]
-        if not texts:
-            raise UsageError(f"--sweep {name}= names no value")
+        name, texts = split_axis(item, axes, SHORTHANDS, FIELDS_BY_KEY, "dram=16GiB,32GiB",
+                                 "a profile field such as policy.flush_batch_bytes", "a profile field")
         parsed = []
         for text in texts:
             where = f"--sweep {name}"
@@ -100,7 +113,7 @@ def parse_sweep(items: list[str], generators: tuple[str, ...] = ()) -> dict[str,
                         raise ValueError(f"{where}: {text!r} is neither a file nor one of {', '.join(generators)}")
                     value = text
                 else:
-                    value = _profile_value(target, text, where)
+                    value = _profile_value(SHORTHANDS[name][0] if name in SHORTHANDS else name, text, where)
             except ValueError as exc:
                 message = str(exc)
                 raise UsageError(message if message.startswith(where) else f"{where}: {message}") from None

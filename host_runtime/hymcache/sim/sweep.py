@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from host_runtime.replay.sweep import (add_dask_args, cluster_text, fmt_value, format_columns, grid, point_label,
-                                      run_tasks, write_sweep)
+                                      run_tasks, split_axis, write_sweep)
 
 from .config import BY_KEY, FIELDS, Field, check, check_settings, preset_path, trace_path
 from .tiers import TIERS
@@ -76,20 +76,9 @@ def parse_axes(items: list[str]) -> dict[str, list]:
 
     axes: dict[str, list] = {}
     for item in items:
-        name, sep, values = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise UsageError(f"--sweep {item!r} must be FIELD=V1,V2,... (e.g. dram=32GiB,64GiB); fields: "
-                             f"{', '.join(AXES)} or a setting such as workload.concurrency")
-        if name not in AXES and name not in {f.key for f in SWEEPABLE}:
-            raise UsageError(f"--sweep {name}: unknown field; allowed: {', '.join(AXES)}, or a setting: "
-                             f"{', '.join(f.key for f in SWEEPABLE)}")
+        name, texts = split_axis(item, axes, AXES, [f.key for f in SWEEPABLE], "dram=32GiB,64GiB",
+                                 "a setting such as workload.concurrency", "a setting")
         target = _target(name)
-        if target in (_target(a) for a in axes):
-            raise UsageError(f"--sweep {name} is given twice (or as both its shorthand and {target}): give one axis")
-        texts = [v.strip() for v in values.split(",") if v.strip()]
-        if not texts:
-            raise UsageError(f"--sweep {name}= names no value")
         where = f"--sweep {name}"
         parsed: list[Any] = []
         for text in texts:
