@@ -85,6 +85,9 @@ class MooncakeTrace:
     name: str = "mooncake"
     bucket_by: str = "time"
     records: list[tuple[float, list[int]]] = field(init=False, repr=False)
+    # (input_length, output_length) of each record, None where the record has no such field: the replay uses
+    # only the hash ids; the serving simulation sizes its prompts and answers by them
+    lengths: list[tuple[int | None, int | None]] = field(init=False, repr=False)
 
     def __post_init__(self):
         check_mooncake_tokens_per_block(self.tokens_per_block)
@@ -92,7 +95,7 @@ class MooncakeTrace:
             _positive("limit", self.limit)
         if not self.time_scale > 0:
             raise ValueError(f"time_scale = {self.time_scale!r} must be > 0")
-        self.records = []
+        self.records, self.lengths = [], []
         path = Path(self.path)
         if not path.is_file():
             raise ValueError(f"trace file {str(path)!r} does not exist")
@@ -103,10 +106,13 @@ class MooncakeTrace:
                 if not line.strip():
                     continue
                 try:
-                    self.records.append(_mooncake_record(json.loads(line)))
+                    rec = json.loads(line)
+                    self.records.append(_mooncake_record(rec))
+                    self.lengths.append(_mooncake_lengths(rec))
                 except (ValueError, KeyError, TypeError) as exc:
                     raise ValueError(f"{path}:{lineno}: not a Mooncake record (need timestamp >= 0 and hash_ids, a "
-                                     f"list of integers >= 0): {type(exc).__name__}: {exc}") from None
+                                     f"list of integers >= 0; input_length >= 1 and output_length >= 0, where given, "
+                                     f"integers, the input within its hash blocks): {type(exc).__name__}: {exc}") from None
         if not self.records:
             raise ValueError(f"{path}: no requests in the trace (the file is empty or holds only blank lines)")
 
@@ -154,6 +160,20 @@ def _mooncake_record(rec: dict) -> tuple[float, list[int]]:
             raise ValueError(f"hash_ids = {ids!r} must be a list of integers >= 0: element {i} is "
                              f"{h!r} ({type(h).__name__})")
     return float(ts), ids
+
+
+def _mooncake_lengths(rec: dict) -> tuple[int | None, int | None]:
+    out = []
+    for name, low in (("input_length", 1), ("output_length", 0)):
+        value = rec.get(name)
+        if value is not None and (not _is_plain_int(value) or value < low):
+            raise ValueError(f"{name} = {value!r} must be an integer >= {low}")
+        out.append(value)
+    covered = len(rec["hash_ids"]) * MOONCAKE_TOKENS_PER_HASH
+    if out[0] is not None and out[0] > covered:
+        raise ValueError(f"input_length = {out[0]} is more than its {len(rec['hash_ids'])} hash blocks cover "
+                         f"({covered} tokens)")
+    return out[0], out[1]
 
 
 # ---- HyMCache microbenchmark ----------------------------------------------------------

@@ -397,7 +397,13 @@ def open_client(env: Env, turns, workers, *, tokens_per_block: int, max_tokens: 
     pending = []
 
     def one(turn):
-        req = Request(turn, tokens_per_block, max_tokens, env.event(), decode_tokens)
+        answer = turn.output_tokens  # the trace's own answer length, where it has one: decoded where decoding is
+        if answer is None:
+            req = Request(turn, tokens_per_block, max_tokens, env.event(), decode_tokens)
+        elif decode_tokens:  # PD: the prefill worker computes the prompt, the decode worker the answer
+            req = Request(turn, tokens_per_block, max_tokens, env.event(), answer)
+        else:
+            req = Request(turn, tokens_per_block, answer, env.event(), decode_tokens)
         workers[req.worker % len(workers)].submit(req)
         yield req.done
         on_done(req)

@@ -34,11 +34,9 @@ requests share prefixes -- every one starts with hash 0 -- rather than extend on
 12,031 requests extend an earlier request whole), so it is not cut into conversations and turns: each
 request is submitted at its timestamp (open loop, ``worker.open_client``), its block keys are its hash
 ids' blocks (a key names its whole prefix, as a Mooncake hash does), and a report row is a window of
-``window_s`` seconds of arrivals (``Turn.turn`` is the window's index). What the reader keeps is the
-timestamp and the hash ids, so a request's input is its hash blocks in full (``len(hash_ids) x 512``
-tokens: the trace's ``input_length`` rounded up to the hash block, 243 tokens more on average) and its
-output is the settings' ``max_tokens``. Its *reusable* prefix is the leading blocks an earlier request
-(in arrival order) had.
+``window_s`` seconds of arrivals (``Turn.turn`` is the window's index). A request's input is its ``input_length`` (its hash blocks in full where the record has none) and its output
+its ``output_length`` (at least 1; the settings' ``max_tokens`` where the record has none). Its *reusable*
+prefix is the leading whole blocks an earlier request (in arrival order) computed.
 """
 
 from __future__ import annotations
@@ -67,6 +65,7 @@ class Turn:
     worker: int = 0         # the prefill worker the router sends the conversation to
     keys: tuple = ()        # a trace's block keys (each names its whole prefix); () for the generated workloads
     arrival_ns: float = 0.0  # a trace's request: when it is submitted (open loop)
+    output_tokens: int | None = None  # a trace's request: its answer's tokens (None: the settings' max_tokens)
 
 
 def conversations(n: int, turns: int, *, mean_prompt_tokens: float = LMSYS_PROMPT_TOKENS,
@@ -160,17 +159,21 @@ def mooncake_requests(path, *, tokens_per_block: int, block_bytes: int, limit: i
     window_ns = window_s * 1e9
     seen: set[int] = set()
     by_window: list[list[Turn]] = []
-    for i, (_, stream) in enumerate(streams):
+    for i, (record, stream) in enumerate(streams):
         keys = tuple(stream.requests[0].keys)
+        input_length, output_length = trace.lengths[record]
+        input_tokens = len(keys) * tokens_per_block if input_length is None else input_length
+        full = input_tokens // tokens_per_block  # the blocks it computes whole: what a later request can reuse
         reusable = 0
-        while reusable < len(keys) and keys[reusable] in seen:
+        while reusable < full and keys[reusable] in seen:
             reusable += 1
-        seen.update(keys)
+        seen.update(keys[:full])
         w = int(stream.start_ns // window_ns) + 1
         while len(by_window) < w:
             by_window.append([])
-        by_window[w - 1].append(Turn(i, w, len(keys) * tokens_per_block, reusable * tokens_per_block,
-                                     worker=i % prefill_workers, keys=keys, arrival_ns=stream.start_ns))
+        by_window[w - 1].append(Turn(i, w, input_tokens, reusable * tokens_per_block, worker=i % prefill_workers,
+                                     keys=keys, arrival_ns=stream.start_ns,
+                                     output_tokens=None if output_length is None else max(1, output_length)))
     return by_window
 
 

@@ -51,12 +51,14 @@ def test_a_trace_gives_requests_at_their_timestamps_with_hash_blocks_as_keys(tmp
     assert [t.arrival_ns for t in turns] == [0.0, 1.5e9, 2.2e9, 5.0e9]
     assert [[t.conversation for t in w] for w in windows] == [[0, 1], [2], [3]]
     assert [t.turn for t in turns] == [1, 1, 2, 3]
-    # the input is the hash blocks in full; the reusable prefix is what an earlier request had
-    assert [t.input_tokens for t in turns] == [1024, 1536, 1024, 512]
-    assert [t.prev_input_tokens // B_TOKENS for t in turns] == [0, 8, 4, 0]
+    # the input is the record's input_length, the answer its output_length; the reusable prefix is the whole
+    # blocks an earlier request computed (request 0's 900 tokens: 7 blocks of 128, not its 8 keys)
+    assert [t.input_tokens for t in turns] == [900, 1400, 700, 300]
+    assert [t.output_tokens for t in turns] == [5, 5, 5, 5]
+    assert [t.prev_input_tokens // B_TOKENS for t in turns] == [0, 7, 4, 0]
     assert [t.worker for t in turns] == [0, 1, 0, 1]
     fp = footprints(windows, BLOCK // B_TOKENS, B_TOKENS)
-    assert fp["kv_footprint_bytes"] == 5 * 4 * BLOCK and fp["reusable_footprint_bytes"] == 2 * 4 * BLOCK
+    assert fp["kv_footprint_bytes"] == 5 * 4 * BLOCK and fp["reusable_footprint_bytes"] == 7 * BLOCK
     # time_scale and limit are the reader's
     half = mooncake_requests(path, tokens_per_block=B_TOKENS, block_bytes=BLOCK, window_s=2.0, time_scale=0.5, limit=3)
     assert [t.arrival_ns for w in half for t in w] == [0.0, 0.75e9, 1.1e9]
@@ -88,6 +90,38 @@ def test_the_open_loop_client_submits_each_request_at_its_arrival(tmp_path):
     assert p.done.fired
     assert submitted == [(0, 0.0), (1, 1.5e9), (2, 2.2e9), (3, 5.0e9)]
     assert starts == [(1, 0.0), (2, 2e9), (3, 4e9)]
+
+
+@pytest.mark.parametrize("decode_tokens", [0, 1])
+def test_a_trace_request_decodes_its_own_output_length(tmp_path, decode_tokens):
+    records = [dict(RECORDS[0], output_length=7), {k: v for k, v in RECORDS[3].items() if k != "output_length"}]
+    windows = mooncake_requests(_trace(tmp_path, records), tokens_per_block=B_TOKENS, block_bytes=BLOCK)
+    env, answers = Env(), []
+
+    class Record:
+        def submit(self, req):
+            answers.append((req.max_tokens, req.decode_tokens))
+            env.call_at(env.now + 1, lambda: req.done.succeed(req))
+
+    env.process(open_client(env, windows, [Record()], tokens_per_block=B_TOKENS, max_tokens=3, window_ns=600e9,
+                            on_turn_start=lambda w, now: None, on_done=lambda r: None, decode_tokens=decode_tokens))
+    env.run()
+    # the record's output_length, where it has one (PD: on the decode worker); else the settings' max_tokens
+    assert answers == ([(7, 0), (3, 0)] if not decode_tokens else [(3, 7), (3, 1)])
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("input_length", 1025, "input_length = 1025 is more than its 2 hash blocks cover (1024 tokens)"),
+    ("input_length", 0, "input_length = 0 must be an integer >= 1"),
+    ("input_length", True, "input_length = True must be an integer >= 1"),
+    ("output_length", -1, "output_length = -1 must be an integer >= 0"),
+    ("output_length", "5", "output_length = '5' must be an integer >= 0"),
+])
+def test_the_readers_lengths_are_checked_with_the_line_named(tmp_path, field, value, text):
+    path = _trace(tmp_path, [RECORDS[0], dict(RECORDS[0], **{field: value})])
+    with pytest.raises(ValueError) as e:
+        MooncakeTrace(path, BLOCK, B_TOKENS)
+    assert f":2: not a Mooncake record" in str(e.value) and text in str(e.value)
 
 
 def test_a_prefix_of_the_shared_mooncake_trace_is_simulated_open_loop():
