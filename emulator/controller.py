@@ -33,6 +33,17 @@ Otherwise (hymcache, libcachesim:*, a plug-in; data on; an unsettled device, unt
 it; an operation the device refuses, which then raises as its call does) the operations go through those
 calls one by one, in Python.
 
+Native data-off path (the replay's). With data off and a built-in policy whose flush rule and write path the
+native core has (lru, fifo, clock, s3fifo, sieve; hymcache), the flusher's state lives in C
+(emulator/flusher.py, "Native mode") and ``write``, ``read`` after the DRAM-hit attempt (one area: hymcache's
+two-area staging stays here), ``prefetch``'s fetch loop, ``release``'s frames, ``tick``, ``run_until``,
+``next_event_ns``, ``quiet_until`` and ``flush`` run as ``chm_dev_write``, ``chm_dev_read``,
+``chm_dev_prefetch_fetch``, ``chm_dev_release_frames``, ``chm_dev_tick``, ... (emulator/native/chm_core.c;
+``chm_dev_run_sequential`` is made of the same functions): the same steps over the same state as the Python
+below (tests/emulator/test_native_ops.py holds them to it); what they count is folded into ``stats`` as
+each call returns. A method of the flusher or the policy replaced on the instance, or a media or
+staging-read error set by hand, brings the state back to Python for good (``Flusher._demote``).
+
 Outcomes. ``read``, ``write`` and ``prefetch`` return what they did (``ReadOutcome``, ``WriteOutcome``,
 ``PrefetchOutcome``): the finish (or acknowledgement) time and the pages they counted in ``stats``, so a
 caller never diffs ``stats`` nor looks into the policy or the prefetch engine. A refused write raises
@@ -124,6 +135,8 @@ _SEQ_BAD_KIND = 255  # the native path stops there; the Python step says why
 # The stats the native sequential path counts besides the hit read's: struct chm_seq_counts's fields.
 NATIVE_SEQ_COUNTS = tuple(name for name, _ in ffi.typeof("struct chm_seq_counts").fields)
 _run_sequential = lib.chm_dev_run_sequential
+_dev_read, _dev_write, _dev_prefetch_fetch = lib.chm_dev_read, lib.chm_dev_write, lib.chm_dev_prefetch_fetch
+_ZERO_SEQ_COUNTS = memoryview(array("Q", bytes(8 * len(NATIVE_SEQ_COUNTS))))
 # The policy calls chm_dev_run_sequential makes itself (CachePolicy's, over its one frame table).
 _SEQ_POLICY_METHODS = ("lookup", "staged_lookup", "write_lookup", "read_copy", "page_of", "is_dirty", "touch", "pin",
                        "unpin", "pins", "mark_dirty", "drop", "allocate_clean", "admit_writes", "allocate_write",
@@ -185,6 +198,23 @@ def _policy_runs_sequentially(policy) -> bool:
             and policy.write_buffer_pages == 0 and not policy.splits_dram)
 
 
+def _hymcache_runs_natively(policy) -> bool:
+    """Is ``policy`` the built-in hymcache, nothing of it replaced, over native tables (its flush rule, write
+    admission and write path are then the native core's)?"""
+    from .policies.hymcache import HymCachePolicy
+    from .write_buffer import FlushArbiter, WriteAdmission
+
+    if type(policy) is not HymCachePolicy or type(policy.arbiter) is not FlushArbiter \
+            or type(policy.admission) is not WriteAdmission:
+        return False
+    if any(callable(value) for value in vars(policy).values()):
+        return False
+    areas = policy.native_lookup_areas()
+    return (areas == [policy.write_area, policy.read_area] and policy.areas == areas[::-1]
+            and type(policy.write_area).lookup is type(policy.read_area).lookup
+            and all(type(area).insert is type(policy.read_area).insert for area in areas))
+
+
 class UnflushedData(ChmError):
     """close() gave up draining: ``pages`` pages (``nbytes`` bytes) acknowledged but never flushed are lost;
     ``error`` is the media error that kept them off the media."""
@@ -226,7 +256,7 @@ class Controller:
         self.chunk_pages = max(1, min(MAX_CHUNK_PAGES, cfg.read_staging_frames - self.engine.window_pages))
         self.staged: dict[int, Staged] = {}
         self._next_handle = 1
-        self.stats = dict.fromkeys(STATS_COUNTERS, 0)  # the wire's counters (driver/include/chm_stats.h)
+        self.stats = self._stats = dict.fromkeys(STATS_COUNTERS, 0)  # the wire's counters (driver/include/chm_stats.h)
         self.data = cfg.emulation.data
         backend = region = None
         if self.data:
@@ -238,9 +268,9 @@ class Controller:
             except BaseException:
                 backend.close(clean=not backend.unclean_shutdown)
                 raise
-        self.media = MediaIO(cfg, self.timing, self.stats, backend, 0 if region is None else region.base_addr)
-        self.frames = Frames(cfg.dram_frames, self.page, region, self.media, self.policy, self.stats, self.log)
-        self.flusher = flusher = Flusher(cfg, self.policy, self.timing, self.media, self.frames, self.stats, self.log)
+        self.media = MediaIO(cfg, self.timing, self._stats, backend, 0 if region is None else region.base_addr)
+        self.frames = Frames(cfg.dram_frames, self.page, region, self.media, self.policy, self._stats, self.log)
+        self.flusher = flusher = Flusher(cfg, self.policy, self.timing, self.media, self.frames, self._stats, self.log)
         self.tick, self.run_until, self.next_event_ns = flusher.tick, flusher.run_until, flusher.next_event_ns
         self.quiet_until, self.retry_wait_s, self.flush = flusher.quiet_until, flusher.retry_wait_s, flusher.flush
         self.ready_at, self.read_error = self.frames.ready_at, self.frames.read_error  # never rebound: read in place
@@ -249,6 +279,7 @@ class Controller:
         if self.unclean_shutdown:
             self.log(f"{UNCLEAN_SHUTDOWN_MESSAGE} (media {str(backend.media_dir)!r})")
         self._native_read_setup()
+        self._native_ops_setup()
 
     # ---- the parts' state, as callers read it ------------------------------------
     @property
@@ -257,11 +288,11 @@ class Controller:
 
     @property
     def dirty(self):
-        return self.flusher.dirty
+        return self.flusher.dirty_entries()
 
     @property
     def flights(self):
-        return self.flusher.flights
+        return self.flusher.flight_entries()
 
     @property
     def media_error(self) -> ChmError | None:
@@ -311,6 +342,57 @@ class Controller:
         self.native_read = bool(areas)  # DRAM-hit reads run in C
         self._native_counts = memoryview(ffi.buffer(ffi.addressof(dev, "counts"))).cast("Q")
         self._native_finish = ffi.new("double *")
+        # the data-off path's (module docstring, "Native data-off path")
+        self._ops = dev.ops = ffi.new("struct chm_seq_counts *")
+        self._ops_counts = memoryview(ffi.buffer(self._ops)).cast("Q")
+        self._write_result = ffi.new("struct chm_write_result *")
+        self._prefetch_result = ffi.new("struct chm_prefetch_result *")
+        self._prefetch_frames = ffi.new("uint32_t[]", 64)
+        dev.cycles_per_prefetch_page = ctl.cycles_per_prefetch_page
+        self._read_result = ffi.new("double[4]")
+
+    def _native_ops_setup(self) -> None:
+        """Hand the flusher's state to C where the native core has the policy's flush rule and write path."""
+        self._native_staging = False  # reads that stage run in C too (one area)
+        if self.native_ops_problem() is None:
+            self.flusher.go_native(self.native_dev, self._fold_ops)
+            self._native_staging = self.native_dev.n_areas == 1
+
+    def native_ops_problem(self) -> str | None:
+        """Why the data-off operations cannot run natively on this device (None: they can)."""
+        if self.data:
+            return "emulation.data is on"
+        if not self.native_read:
+            return f"policy {self.policy.name!r} looks pages up in Python"
+        if type(self.flusher) is not Flusher or type(self.timing) is not TimingModel or self.media.backend is not None:
+            return "the flusher, the timing model or the media are not the built-in ones"
+        from .policies.base import Policy
+
+        if not ((_policy_runs_sequentially(self.policy) and type(self.policy).released is Policy.released)
+                or _hymcache_runs_natively(self.policy)):
+            return f"policy {self.policy.name!r} is not a built-in frame-table cache or hymcache"
+        if type(self.engine) is not PrefetchEngine:
+            return "the prefetch engine is not the built-in one"
+        return None
+
+    def _fold_ops(self) -> None:
+        """Add what the native hit read and data-off path counted to ``stats`` (after each call: a caller may
+        hold ``stats``)."""
+        stats = self._stats
+        counts = self._native_counts
+        values = counts.tolist()
+        if any(values):
+            for name, n in zip(NATIVE_READ_COUNTS, values):
+                if n:
+                    stats[name] += n
+            counts[:] = _ZERO_COUNTS
+        counts = self._ops_counts
+        values = counts.tolist()
+        if any(values):
+            for name, n in zip(NATIVE_SEQ_COUNTS, values):
+                if n:
+                    stats[name] += n
+            counts[:] = _ZERO_SEQ_COUNTS
 
     # ---- helpers ---------------------------------------------------------------
     def _cycles(self, ready: float, cycles: int) -> float:
@@ -383,6 +465,18 @@ class Controller:
             if hit:  # every page a hit
                 self.fold_native_counts()
                 return _tuple_new(ReadOutcome, (self._native_finish[0], hit, 0, 0))
+            if out is None and self._native_staging and (dev := self.flusher._nat()) is not None:
+                res = self._read_result  # data off, one area: the rest of this read in C
+                n = _dev_read(dev, addr, length, now, whole, res)
+                self._fold_ops()
+                if n > 0:
+                    return _tuple_new(ReadOutcome, (res[0], int(res[1]), int(res[2]), int(res[3])))
+                if n == lib.CHM_NO_FRAME:
+                    raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to stage page {int(res[1])}: "
+                                                f"all are pinned")
+                if n == lib.CHM_E_NOMEM:
+                    raise MemoryError(f"read of {length} bytes at {addr}: no memory for the native path's state")
+                raise RuntimeError(f"read of {length} bytes at {addr}: native status {n}")
         pages = self._pages(addr, length)
         stats = self.stats
         stats["read_bytes"] += length
@@ -495,23 +589,24 @@ class Controller:
         """Nothing dirty or in flight, no frame pinned, no prefetch held, no media or staging-read error:
         the state the native sequential path starts from (and leaves after each operation)."""
         flusher = self.flusher
-        return (not flusher.dirty and not flusher.flights and not self.read_error and flusher.media_error is None
+        return (flusher.pending() == (0, 0) and not self.read_error and flusher.media_error is None
                 and not self.staged and self.engine.pages_held == 0
                 and lib.chm_ft_pinned_ways(self.policy.read_area.table._c, 0) == 0)
 
     def _fold_sequential(self, result) -> None:
         """Add what a native sequential run counted to ``stats`` and the flusher."""
         self.fold_native_counts()
-        counts, stats = self._seq_counts, self.stats
+        counts, stats = self._seq_counts, self._stats
         for name in NATIVE_SEQ_COUNTS:
             n = getattr(counts, name)
             if n:
                 stats[name] += n
-        self.flusher._flight_order += result.flush_writes
+        if self.flusher._dev is None:  # else the native flusher counted them
+            self.flusher._flight_order += result.flush_writes
 
     def fold_native_counts(self) -> None:
         """Add what native hit reads counted to ``stats``."""
-        counts, stats = self._native_counts, self.stats
+        counts, stats = self._native_counts, self._stats
         for name, n in zip(NATIVE_READ_COUNTS, counts.tolist()):
             if n:
                 stats[name] += n
@@ -598,6 +693,15 @@ class Controller:
         write-buffer pages the write asked for. ``whole`` as for ``read``.
         """
         self.check_range(addr, length)
+        dev = self.flusher._nat()
+        if dev is not None:
+            res = self._write_result
+            rc = _dev_write(dev, addr, length, now, whole, res)
+            self._fold_ops()
+            if rc == 0:
+                return _tuple_new(WriteOutcome, (res.finish, res.new_pages, res.pages - res.new_pages,
+                                                 self.policy.write_buffer_pages))
+            self._native_write_failed(rc, res, addr, length)
         self.tick(now)
         if self.flusher.media_error is not None:
             self.stats["media_refused_writes"] += 1
@@ -624,6 +728,20 @@ class Controller:
         if whole:
             self.count_command("write", finish - now)
         return _tuple_new(WriteOutcome, (finish, new_pages, len(pages) - new_pages, self.policy.write_buffer_pages))
+
+    def _native_write_failed(self, rc: int, res, addr: int, length: int):
+        """Raise what ``write`` raises where ``chm_dev_write`` stopped with status ``rc``."""
+        if rc == lib.CHM_WRITE_TOO_BIG:
+            raise ChmError(errno.EINVAL, f"write of {length} bytes at {addr} spans {res.new_pages} pages, more than "
+                                         f"the whole write buffer ({self.cfg.write_buffer_frames} pages): split it")
+        if rc == lib.CHM_WRITE_REFUSED:
+            raise WriteBufferFull(f"write of {length} bytes at {addr} needs {res.new_pages} write-buffer pages; "
+                                  f"the buffer has no room until a flush completes", new_pages=res.new_pages)
+        if rc == lib.CHM_NO_FRAME:
+            raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to write page {res.page}: all are pinned")
+        if rc == lib.CHM_E_NOMEM:
+            raise MemoryError(f"write of {length} bytes at {addr}: no memory for the native path's state")
+        raise RuntimeError(f"write of {length} bytes at {addr}: native status {rc}")
 
     def _write_page(self, page: int, lo: int, hi: int, src: memoryview | None, now: float) -> float:
         frames, read_error = self.frames, self.read_error
@@ -687,6 +805,25 @@ class Controller:
         self.stats["prefetches"] += 1
         self.stats["prefetch_bytes"] += size
         t = self._cycles(now, self.cfg.controller.cycles_per_command)
+        dev = self.flusher._nat()
+        if dev is not None:  # the fetch loop in C (module docstring, "Native data-off path")
+            buf = self._prefetch_frames
+            if len(pages) > len(buf):
+                buf = self._prefetch_frames = ffi.new("uint32_t[]", len(pages))
+            res = self._prefetch_result
+            rc = _dev_prefetch_fetch(dev, self.engine._c, t, buf, res)
+            self._fold_ops()
+            staged, resident = res.staged, res.resident
+            self.stats["prefetch_staged_pages"] += staged
+            self.stats["prefetch_resident_pages"] += resident
+            if rc:
+                if rc == lib.CHM_NO_FRAME:
+                    raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to stage page {res.page}: "
+                                                f"all are pinned")
+                raise MemoryError(f"prefetch of {size} bytes at {addr}: no memory for the native path's state")
+            self.staged[handle] = Staged(ffi.unpack(buf, res.frames), res.ready_at)
+            return _tuple_new(PrefetchOutcome, (handle, res.t + self.cfg.host_link.latency_ns, staged, resident,
+                                                self.engine.pages_held))
         frames, ready_at = [], t
         staged = resident = 0
         try:
@@ -721,18 +858,24 @@ class Controller:
         if timeout_ns is not None and staged.ready_at > now + timeout_ns:
             raise ChmError(errno.ETIMEDOUT, f"prefetch handle {handle} not staged within {timeout_ns / 1e6:g} ms "
                                             f"(ready in {(staged.ready_at - now) / 1e6:.3f} ms of modelled time)")
-        for frame in staged.frames:
-            self.frames.settle(frame)
-        for frame in staged.frames:
-            self.frames.check_read(frame)
-        while obj.arrived < obj.pages:
-            self.engine.arrived(handle)
+        if self.data or self.read_error:  # else nothing to settle, no read failed
+            for frame in staged.frames:
+                self.frames.settle(frame)
+            for frame in staged.frames:
+                self.frames.check_read(frame)
+        self.engine.arrive_all(handle)
         self.tick(now)
         return max(now, staged.ready_at) + self.cfg.host_link.latency_ns
 
     def release(self, handle: int, now: float) -> float:
         self.engine.release(handle)
         self.stats["releases"] += 1
+        dev = self.flusher._nat()
+        if dev is not None:
+            frames = self.staged.pop(handle).frames
+            lib.chm_dev_release_frames(dev, ffi.new("uint32_t[]", frames), len(frames))
+            self.tick(now)
+            return self._cycles(now, self.cfg.controller.cycles_per_command) + self.cfg.host_link.latency_ns
         for frame in self.staged.pop(handle).frames:
             self.frames.settle(frame)
             self.policy.unpin(frame)
@@ -744,8 +887,7 @@ class Controller:
     def snapshot(self) -> dict:
         self.fold_native_counts()
         s = dict(self.stats)
-        s["dirty_pages"] = len(self.flusher.dirty)
-        s["flushes_in_flight"] = len(self.flusher.flights)
+        s["dirty_pages"], s["flushes_in_flight"] = self.flusher.pending()
         s["prefetch_pages_held"] = self.engine.pages_held
         s["busy_ns"] = self.timing.busy()
         s["latency"] = self.timing.latencies.summary()

@@ -10,6 +10,15 @@ enters a media-error state: new writes are refused with ENOSPC and the
 background flusher retries after a wall-time backoff (``MEDIA_RETRY_FIRST_S``,
 doubling, at most ``MEDIA_RETRY_MAX_S``). A successful flush clears the state.
 Each episode and its recovery is logged once.
+
+Native mode. With data off and a policy whose flush rule and write path the native core has (the built-in
+frame-table caches: ``CachePolicy``'s rule; ``hymcache``: ``FlushArbiter``'s), the controller hands the
+flusher's state to C (``go_native``: ``struct chm_flusher`` of emulator/native/chm_core.h, which the
+controller's data-off writes and reads use too): the dirty queue, the flights, their counters. The methods
+below then run there (``tick``, ``run_until``, ``next_event_ns``, ``quiet_until``, ``flush``,
+``complete_flights``, ``write_back``), and ``dirty_entries``/``flight_entries``/``flight_counts`` show the
+state; ``queued`` is shared. Should a method of the flusher or the policy be replaced on the instance (a test
+watching ``start_flush``, say), the state comes back to Python first (``_demote``) and stays there.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from .config import Config
 from .dram import Frames
 from .errors import ChmError
 from .media_io import MediaIO
+from .native import ffi, lib
 from .policies import Policy
 from .ssd import MediaIOError
 from .timing import TimingModel
@@ -80,26 +90,136 @@ class Flusher:
         self._held_dirty: set[int] = set()  # dirty frames kept pinned while the media fail, until flushed
         self._failed_frames: set[int] = set()  # frames whose last flush failed; the error clears when none is left
         self._generation = 0  # bumped at each backoff step
+        self._dev = None  # native mode: the controller's struct chm_dev, whose flusher holds the state
+        self._native = None  # (struct chm_flusher, the dict sizes that mean nothing was replaced, fold, keep)
+        self._due, self._ran = ffi.new("double *"), ffi.new("uint64_t *")  # the native calls' results
+
+    # ---- native mode (module docstring) ----------------------------------------------
+    def go_native(self, dev, fold) -> None:
+        """Hand the (empty) state to C: ``dev`` is the controller's ``struct chm_dev``; ``fold()`` adds what
+        the native core counted to ``stats``."""
+        policy = self.policy
+        out = ffi.new("struct chm_flusher **")
+        queued = ffi.from_buffer("uint8_t[]", self.queued)
+        if lib.chm_flusher_new(len(self.queued), queued, out):
+            raise MemoryError("native flusher")
+        fl = ffi.gc(out[0], lib.chm_flusher_free)
+        keep = [queued]
+        from .policies.hymcache import HymCachePolicy
+        if isinstance(policy, HymCachePolicy):
+            arbiter = policy.arbiter
+            fl.rule, fl.batch_pages = lib.CHM_FLUSH_ARBITER, arbiter.batch_pages
+            fl.max_reads_in_flight, fl.max_delay_ns = arbiter.max_reads_in_flight, arbiter.max_delay_ns
+            write, copy = policy.write_area, policy.read_area
+            fl.copy_area.table, fl.copy_area.base = copy.table._c, copy.base
+            fl.admission = policy.admission._c
+            fwu = ffi.from_buffer("uint8_t[]", policy._free_when_unpinned)
+            keep.append(fwu)
+            fl.free_when_unpinned = fwu
+        else:
+            fl.rule, fl.writeback_delay_ns = lib.CHM_FLUSH_AFTER_DELAY, policy.cfg.policy.lru_writeback_delay_ns
+            write = policy.read_area
+        limit = policy.flush_pages_in_flight
+        fl.pages_in_flight_limit = -1 if limit is None else limit
+        fl.write_area.table, fl.write_area.base = write.table._c, write.base
+        fl.write_area_frames = write.end - write.base
+        fl.write_buffer_frames = policy.cfg.write_buffer_frames
+        fl.drops_staged_on_release = policy.drops_staged_on_release
+        dev.flusher = fl
+        self._dev = dev
+        self._native = (fl, vars(self), len(vars(self)), vars(policy), len(vars(policy)), fold, keep)
+
+    def _nat(self):
+        """The device struct while the state is native, nothing was replaced on the flusher or the policy and
+        no media or staging-read error is set (else the state comes back to Python: None)."""
+        dev = self._dev
+        if dev is not None:
+            _, own, n_own, policy, n_policy, _, _ = self._native
+            if len(own) != n_own or len(policy) != n_policy or self.media_error is not None or self.read_error:
+                self._demote()  # (a media or staging-read error set by hand: data off has none)
+                return None
+        return dev
+
+    def _demote(self) -> None:
+        """The state back to Python, for good."""
+        fl, fold = self._native[0], self._native[5]
+        fold()
+        dirty, flights = self.dirty_entries(), self.flight_entries()
+        self._dev.flusher = ffi.NULL
+        self._dev = None
+        self.dirty, self.flights = dirty, flights
+        self._flight_order, self._flushing_pages = fl.flight_order, fl.flushing_pages
+        self._flight_room = ((-1, -1), 0.0)
+        self._native = None
+
+    def _fold(self) -> None:
+        self._native[5]()
+
+    def dirty_entries(self) -> deque:
+        """The dirty queue: (frame, write time), oldest first."""
+        if self._dev is None:
+            return self.dirty
+        fl = self._native[0]
+        entry_frame, entry_since = ffi.new("uint32_t *"), ffi.new("double *")
+        out = deque()
+        for i in range(fl.n_dirty):
+            lib.chm_flusher_dirty_at(fl, i, entry_frame, entry_since)
+            out.append((entry_frame[0], entry_since[0]))
+        return out
+
+    def flight_entries(self) -> list:
+        """The flush writes in flight: (finish, issue order, Flight), a heap."""
+        if self._dev is None:
+            return self.flights
+        fl = self._native[0]
+        out = [(f.finish, f.order, Flight(list(range(f.frame, f.frame + f.pages)), ffi.unpack(f.seqs, f.pages),
+                                          None, f.finish, ffi.unpack(f.since, f.pages)))
+               for f in (fl.flights[i] for i in range(fl.n_flights))]
+        heapq.heapify(out)
+        return out
+
+    def pending(self) -> tuple[int, int]:
+        """(dirty pages queued, flush writes in flight)."""
+        if self._dev is None:
+            return len(self.dirty), len(self.flights)
+        fl = self._native[0]
+        return fl.n_dirty, fl.n_flights
+
+    def flight_counts(self) -> tuple[int, int]:
+        """(flush writes issued so far, pages in flight): ``_flight_order``, ``_flushing_pages``."""
+        if self._dev is None:
+            return self._flight_order, self._flushing_pages
+        fl = self._native[0]
+        return fl.flight_order, fl.flushing_pages
 
     # ---- the dirty queue ---------------------------------------------------------
     def enqueue(self, frame: int, now: float) -> None:
         """``frame`` was written at ``now``: queue it for flushing, unless it waits already."""
+        if self._dev is not None:  # the state's own calls are native: one from outside brings it back here
+            self._demote()
         if not self.queued[frame]:
             self.queued[frame] = 1
             self.dirty.append((frame, now))
 
     def _unqueue(self, frame: int) -> None:
+        if self._dev is not None:
+            self._demote()
         if self.queued[frame]:
             self.queued[frame] = 0
             self.dirty = deque(e for e in self.dirty if e[0] != frame)
 
     def unflushed(self) -> tuple[int, int]:
         """(pages, bytes) acknowledged but not yet on the media."""
-        pages = len(self.dirty)
+        pages = self.pending()[0]
         return pages, pages * self.page
 
     def write_back(self, frame: int, victim_page: int, now: float) -> float:
         """An evicted page was dirty (lru): write it to flash before its frame is reused; returns when done."""
+        dev = self._nat()
+        if dev is not None:
+            done = lib.chm_dev_write_back(dev, frame, victim_page, now)
+            self._fold()
+            return done
         self.stats["dirty_evictions"] += 1
         self._unqueue(frame)
         done, token = self.media.write(frame, victim_page, 1, now)
@@ -115,6 +235,14 @@ class Flusher:
     # ---- background work -----------------------------------------------------------
     def tick(self, now: float, force: bool = False) -> None:
         """Background work at virtual time ``now``: retire finished flushes, start new ones."""
+        dev = self._nat()
+        if dev is not None:
+            rc = lib.chm_dev_tick(dev, now, force)
+            if rc:
+                if rc < 0:
+                    raise MemoryError("native flusher: no memory")
+                self._fold()
+            return
         self.complete_flights(now)
         if self.read_error:
             self.frames.drop_failed_reads(self.queued)
@@ -168,6 +296,15 @@ class Flusher:
         bring the pages in flight under the policy's bound while dirty pages wait. (Otherwise the next tick
         retires it: nothing between looks.) A flusher backing off after a media error counts no flush grant
         (see ``retry_wait_s``)."""
+        dev = self._nat()
+        if dev is not None:
+            due_p = self._due
+            if not lib.chm_dev_next_event(dev, now, due_p):
+                return None
+            due = due_p[0]
+            if due != due:
+                raise MemoryError("native flusher: no memory")
+            return due
         due = None
         if self.data and self.flights:
             due = self.flights[0][0]
@@ -185,6 +322,21 @@ class Flusher:
         the background clock stands (it only moves forward); returns how many events ran.
 
         The replay driver calls it before each command, ``chm serve`` after each idle sleep."""
+        dev = self._nat()
+        if dev is not None:
+            ran_p, t_p = self._ran, self._due
+            rc = lib.chm_dev_run_until(dev, self.background_ns, until, ran_p, t_p)
+            ran, t = ran_p[0], t_p[0]
+            if ran:
+                self._fold()
+            if rc == lib.CHM_E_INTERNAL:
+                raise RuntimeError(f"policy {self.policy.name!r}: next_flush_at said a flush is due at {t!r} ns "
+                                   f"but flush_grant granted none (and no flush landed)")
+            if rc:
+                raise MemoryError("native flusher: no memory")
+            self.background_ns = max(t, until)
+            self.events_run += ran
+            return ran
         t, ran = self.background_ns, 0
         while (due := self.next_event_ns(t)) is not None and due <= until:
             before = (self.stats["flush_batches"], len(self.flights))
@@ -204,6 +356,9 @@ class Flusher:
         act at any time (staging reads that failed wait to be dropped, or the media fail)."""
         if self.read_error or self.media_error is not None:
             return -math.inf
+        dev = self._nat()
+        if dev is not None:
+            return lib.chm_dev_quiet_until(dev, now)
         until = self.flights[0][0] if self.flights else math.inf  # a flush lands: tick retires it
         if self.dirty and not self._at_flight_limit():  # at the limit, nothing starts before a flush lands
             timing = self.timing
@@ -215,6 +370,8 @@ class Flusher:
     # ---- flush writes ----------------------------------------------------------------
     def start_flush(self, entries: list[tuple[int, float]], now: float) -> None:
         """Write the dirty ``entries`` ((frame, write time)) to the media."""
+        if self._dev is not None:
+            self._demote()
         self.stats["flush_batches"] += 1
         since = dict(entries)
         page_of = self.policy.page_of
@@ -245,6 +402,12 @@ class Flusher:
 
     def complete_flights(self, now: float) -> float:
         """Retire flushes that have landed by ``now``; returns the latest finish retired."""
+        dev = self._nat()
+        if dev is not None:
+            latest = lib.chm_dev_complete_flights(dev, now)
+            if latest != latest:
+                raise MemoryError("native flusher: no memory")
+            return latest
         latest = 0.0
         landed = []
         while self.flights and self.flights[0][0] <= now:
@@ -303,6 +466,13 @@ class Flusher:
 
         Tries at once, whatever the media-error backoff says; raises the media error (ENOSPC, EIO, with
         the file) if pages remain unflushed -- they stay dirty in DRAM and are retried."""
+        dev = self._nat()
+        if dev is not None:
+            done = lib.chm_dev_flush(dev, now)
+            self._fold()
+            if done != done:
+                raise MemoryError("native flusher: no memory")
+            return done
         self.stats["flush_calls"] += 1
         self.tick(now, force=True)
         done = max([now] + [entry[0] for entry in self.flights])
@@ -324,7 +494,7 @@ class Flusher:
             try:
                 return self.flush(now), None
             except ChmError as exc:
-                if not self.dirty:  # fdatasync failed: nothing to retry here
+                if not self.pending()[0]:  # fdatasync failed: nothing to retry here
                     return now, exc
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:

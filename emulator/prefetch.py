@@ -130,6 +130,16 @@ class PrefetchEngine:
             raise AssertionError(f"handle {handle}: more arrivals than pages")
         return bool(rc)
 
+    def arrive_all(self, handle: int) -> None:
+        """Every page of ``handle`` not yet arrived arrives (``arrived`` until the object is ready)."""
+        obj = self._object(handle)
+        if obj.arrived < obj.pages:
+            c, arrived = self._c, self._arrived
+            while (rc := lib.chm_pf_arrived(c, handle, arrived)) == 0:
+                pass
+            if rc != 1:
+                raise AssertionError(f"handle {handle}: arrivals failed ({rc})")
+
     def _object(self, handle: int):
         """The engine's record of a held object (``struct chm_pf_object``)."""
         if lib.chm_pf_get(self._c, handle, self._obj) != lib.CHM_OK:

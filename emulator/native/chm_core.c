@@ -1553,31 +1553,122 @@ int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double 
     return (int64_t)pages;
 }
 
-/* ---- sequential operations (Controller.run_sequential) ----
- * Each step below names the Python it mirrors (emulator/controller.py, flusher.py, media_io.py, ssd.py);
- * doubles are computed with the same operations in the same order, and Python's max(a, b) is "b > a ? b : a". */
+/* ---- the data-off device: the flusher, writes, reads, and the sequential path ----
+ * Each step below names the Python it mirrors (emulator/controller.py, flusher.py, media_io.py, ssd.py,
+ * policies/base.py, policies/hymcache.py, write_buffer.py, timing.py); doubles are computed with the same
+ * operations in the same order, and Python's max(a, b) is "b > a ? b : a". Frames are the device's (global). */
 
 struct seq_entry {
     uint64_t page;
     uint32_t frame;
+    double since;
 };
 
 struct seq {
     struct chm_dev *d;
-    struct chm_ft *ft;              /* the one area's table */
-    uint32_t base;                  /* its first frame */
-    struct chm_seq_result *out;
-    uint32_t *dirty;                /* Flusher.dirty: queued frames, oldest first */
-    uint32_t n_dirty;
-    uint8_t *queued;                /* Flusher.queued, by frame */
-    struct seq_entry *order;        /* start_flush: the dirty frames by page */
-    uint32_t *chunk;                /* a read's pinned frames */
+    struct chm_flusher *fl;
+    struct chm_seq_counts *c;
+    int rc;                         /* why an operation stopped (its double is then NaN) */
+    uint64_t failed_page;           /* CHM_NO_FRAME: the page */
 };
+
+#define SEQ_MAX_CHUNK 64            /* controller.MAX_CHUNK_PAGES */
+#define NOT_A_TIME (0.0 / 0.0)
 
 static double py_max(double a, double b)
 {
     return b > a ? b : a;
 }
+
+/* -- the policy's per-frame calls, on the area holding the frame -- */
+
+static struct chm_ft *frame_table(const struct chm_dev *d, uint32_t frame, uint32_t *local)
+{
+    for (uint32_t i = 0; i < d->n_areas; i++) {
+        const struct chm_dev_area *a = &d->areas[i];
+        if (frame >= a->base && frame - a->base < a->table->frames) {
+            *local = frame - a->base;
+            return a->table;
+        }
+    }
+    *local = 0;
+    return d->areas[0].table;  /* not reached: the areas cover the device */
+}
+
+/* The page's global frame in an area, or -1. */
+static int64_t area_lookup(const struct chm_dev_area *a, uint64_t page)
+{
+    if (!a->table)
+        return -1;
+    int64_t f = chm_ft_lookup(a->table, page);
+    return f < 0 ? -1 : (int64_t)a->base + f;
+}
+
+static void pol_touch(struct seq *q, uint32_t frame)
+{
+    uint32_t local;
+    struct chm_ft *ft = frame_table(q->d, frame, &local);
+    chm_ft_touch(ft, local);
+}
+
+static void pol_pin(struct seq *q, uint32_t frame)
+{
+    uint32_t local;
+    struct chm_ft *ft = frame_table(q->d, frame, &local);
+    chm_ft_pin(ft, local);
+}
+
+/* HymCachePolicy._free_write_frame */
+static void free_write_frame(struct seq *q, uint32_t frame)
+{
+    chm_ft_invalidate(q->fl->write_area.table, frame - q->fl->write_area.base);
+    chm_admission_release(q->fl->admission, 1);
+}
+
+static int in_write_area(const struct chm_flusher *fl, uint32_t frame)
+{
+    return frame >= fl->write_area.base && frame - fl->write_area.base < fl->write_area_frames;
+}
+
+/* Policy.unpin (HymCachePolicy.unpin: a flushed write-buffer frame a read held is freed now) */
+static void pol_unpin(struct seq *q, uint32_t frame)
+{
+    uint32_t local;
+    struct chm_ft *ft = frame_table(q->d, frame, &local);
+    chm_ft_unpin(ft, local);
+    uint8_t *fwu = q->fl->free_when_unpinned;
+    if (fwu && fwu[frame] && ft->pins[local] == 0) {
+        fwu[frame] = 0;
+        free_write_frame(q, frame);
+    }
+}
+
+/* Policy.flushed (HymCachePolicy.flushed: the write-buffer frame is freed, once unpinned) */
+static void pol_flushed(struct seq *q, uint32_t frame)
+{
+    uint32_t local;
+    struct chm_ft *ft = frame_table(q->d, frame, &local);
+    chm_ft_clear_dirty(ft, local);
+    struct chm_flusher *fl = q->fl;
+    if (fl->free_when_unpinned && in_write_area(fl, frame)) {
+        if (ft->pins[local])
+            fl->free_when_unpinned[frame] = 1;
+        else
+            free_write_frame(q, frame);
+    }
+}
+
+/* Policy.mark_dirty (HymCachePolicy.mark_dirty: rewritten before it was freed, it stays) */
+static void pol_mark_dirty(struct seq *q, uint32_t frame)
+{
+    uint32_t local;
+    struct chm_ft *ft = frame_table(q->d, frame, &local);
+    chm_ft_mark_dirty(ft, local);
+    if (q->fl->free_when_unpinned)
+        q->fl->free_when_unpinned[frame] = 0;
+}
+
+/* -- the media (MediaIO, ssd.locate) -- */
 
 /* ssd.locate(page * page_size): the SSD, and the byte offset in its file. */
 static struct chm_ssd *seq_locate(const struct chm_dev *d, uint64_t page, uint64_t *offset)
@@ -1587,13 +1678,18 @@ static struct chm_ssd *seq_locate(const struct chm_dev *d, uint64_t page, uint64
     return d->ssds[stripe % d->n_ssds];
 }
 
-/* MediaIO.read: stage `page` at `now` (the heap has room: seq_reserve); its modelled finish. */
+/* MediaIO.read: stage `page` at `now`; its modelled finish, or NaN (no memory). */
 static double seq_media_read(struct seq *q, uint64_t page, double now)
 {
     uint64_t offset;
     struct chm_ssd *ssd = seq_locate(q->d, page, &offset);
-    q->out->counts.ssd_read_bytes += q->d->page_size;
-    return chm_ssd_read(ssd, now, q->d->page_size);
+    double done = chm_ssd_read(ssd, now, q->d->page_size);
+    if (done != done) {
+        q->rc = CHM_E_NOMEM;
+        return done;
+    }
+    q->c->ssd_read_bytes += q->d->page_size;
+    return done;
 }
 
 /* MediaIO.write: `pages` frames on to the media from `page` on at `now`; its modelled finish. */
@@ -1601,7 +1697,7 @@ static double seq_media_write(struct seq *q, uint64_t page, uint64_t pages, doub
 {
     uint64_t offset, nbytes = pages * q->d->page_size;
     struct chm_ssd *ssd = seq_locate(q->d, page, &offset);
-    q->out->counts.ssd_write_bytes += nbytes;
+    q->c->ssd_write_bytes += nbytes;
     return chm_ssd_write(ssd, now, nbytes);
 }
 
@@ -1613,75 +1709,553 @@ static int seq_contiguous(const struct chm_dev *d, uint64_t page, uint64_t next_
     return a == b && b_off == a_off + d->page_size;
 }
 
-/* The page's global frame, or -1 (Policy.lookup, write_lookup). */
-static int64_t seq_lookup(const struct seq *q, uint64_t page)
+/* TimingModel.reads_in_flight */
+static uint64_t reads_in_flight(const struct chm_dev *d, double now)
 {
-    int64_t f = chm_ft_lookup(q->ft, page);
-    return f < 0 ? -1 : (int64_t)q->base + f;
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < d->n_ssds; i++)
+        n += chm_ssd_reads_in_flight(d->ssds[i], now);
+    return n;
+}
+
+static int by_value_desc(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x < y) - (x > y);
+}
+
+/* TimingModel.reads_idle_at; NaN: no memory. */
+static double reads_idle_at(const struct chm_dev *d, double now, uint64_t max_in_flight)
+{
+    if (max_in_flight == 0) {
+        double t = now;
+        for (uint32_t i = 0; i < d->n_ssds; i++)
+            t = py_max(t, d->ssds[i]->reads_until);
+        return t;
+    }
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < d->n_ssds; i++)
+        n += d->ssds[i]->n_read_finishes;
+    if (n <= max_in_flight)
+        return now;
+    double *later = malloc((size_t)n * sizeof *later);
+    if (!later)
+        return NOT_A_TIME;
+    uint64_t k = 0;
+    for (uint32_t i = 0; i < d->n_ssds; i++)
+        for (uint64_t j = 0; j < d->ssds[i]->n_read_finishes; j++)
+            if (d->ssds[i]->read_finishes[j] > now)
+                later[k++] = d->ssds[i]->read_finishes[j];
+    double t = now;
+    if (k > max_in_flight) {  /* heapq.nlargest(max_in_flight + 1, finishes)[-1] */
+        qsort(later, k, sizeof *later, by_value_desc);
+        t = later[max_in_flight];
+    }
+    free(later);
+    return t;
+}
+
+/* timing.earliest_time for the two rules' tests */
+static int due_after_delay(double t, double since, double delay) { return since <= t - delay; }
+static int due_by_age(double t, double since, double delay) { return t - since >= delay; }
+
+/* math.nextafter(x, +inf) (up) or (x, -inf): the next double (no libm: the ASan driver links none). */
+static double next_double(double x, int up)
+{
+    if (x != x || x == (up ? 1.0 / 0.0 : -1.0 / 0.0))
+        return x;
+    uint64_t bits = 1;
+    if (x == 0.0) {  /* either zero: the smallest subnormal of the direction's sign */
+        memcpy(&x, &bits, sizeof x);
+        return up ? x : -x;
+    }
+    memcpy(&bits, &x, sizeof bits);
+    bits = (x > 0) == up ? bits + 1 : bits - 1;  /* away from zero or toward it */
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static double earliest_time(double guess, int (*due)(double, double, double), double since, double delay)
+{
+    while (!due(guess, since, delay))
+        guess = next_double(guess, 1);
+    double below;
+    while (due(below = next_double(guess, 0), since, delay))
+        guess = below;
+    return guess;
+}
+
+/* -- the dirty queue -- */
+
+static uint64_t ring_at(const struct chm_flusher *fl, uint64_t i)
+{
+    uint64_t k = fl->dirty_head + i;
+    return k >= fl->frames ? k - fl->frames : k;
+}
+
+void chm_flusher_dirty_at(const struct chm_flusher *fl, uint64_t i, uint32_t *frame, double *since)
+{
+    uint64_t k = ring_at(fl, i);
+    *frame = fl->dirty_frame[k];
+    *since = fl->dirty_since[k];
+}
+
+/* Flusher.enqueue */
+static void fl_enqueue(struct chm_flusher *fl, uint32_t frame, double now)
+{
+    if (fl->queued[frame])
+        return;
+    fl->queued[frame] = 1;
+    uint64_t k = ring_at(fl, fl->n_dirty++);
+    fl->dirty_frame[k] = frame;
+    fl->dirty_since[k] = now;
 }
 
 /* Flusher._unqueue */
-static void seq_unqueue(struct seq *q, uint32_t frame)
+static void fl_unqueue(struct chm_flusher *fl, uint32_t frame)
 {
-    if (!q->queued[frame])
+    if (!fl->queued[frame])
         return;
-    q->queued[frame] = 0;
-    for (uint32_t i = 0; i < q->n_dirty; i++) {
-        if (q->dirty[i] == frame) {
-            memmove(q->dirty + i, q->dirty + i + 1, (q->n_dirty - i - 1) * sizeof *q->dirty);
-            q->n_dirty--;
-            break;
-        }
+    fl->queued[frame] = 0;
+    uint64_t i = 0;
+    while (i < fl->n_dirty && fl->dirty_frame[ring_at(fl, i)] != frame)
+        i++;
+    if (i == fl->n_dirty)
+        return;
+    for (; i + 1 < fl->n_dirty; i++) {
+        uint64_t to = ring_at(fl, i), from = ring_at(fl, i + 1);
+        fl->dirty_frame[to] = fl->dirty_frame[from];
+        fl->dirty_since[to] = fl->dirty_since[from];
     }
+    fl->n_dirty--;
 }
 
+/* -- flush writes in flight: a min-heap by (finish, order) -- */
+
+static int flight_less(const struct chm_flight *a, const struct chm_flight *b)
+{
+    return a->finish < b->finish || (a->finish == b->finish && a->order < b->order);
+}
+
+static int flight_push(struct chm_flusher *fl, struct chm_flight f)
+{
+    if (fl->n_flights == fl->flights_cap) {
+        uint64_t cap = fl->flights_cap ? 2 * fl->flights_cap : 64;
+        struct chm_flight *grown = realloc(fl->flights, (size_t)cap * sizeof *grown);
+        if (!grown)
+            return CHM_E_NOMEM;
+        fl->flights = grown;
+        fl->flights_cap = cap;
+    }
+    uint64_t pos = fl->n_flights++;
+    while (pos > 0) {
+        uint64_t parent = (pos - 1) / 2;
+        if (!flight_less(&f, &fl->flights[parent]))
+            break;
+        fl->flights[pos] = fl->flights[parent];
+        pos = parent;
+    }
+    fl->flights[pos] = f;
+    return CHM_OK;
+}
+
+static struct chm_flight flight_pop(struct chm_flusher *fl)
+{
+    struct chm_flight top = fl->flights[0], last = fl->flights[--fl->n_flights];
+    uint64_t n = fl->n_flights, pos = 0;
+    if (n) {
+        for (;;) {
+            uint64_t child = 2 * pos + 1;
+            if (child >= n)
+                break;
+            if (child + 1 < n && flight_less(&fl->flights[child + 1], &fl->flights[child]))
+                child++;
+            if (!flight_less(&fl->flights[child], &last))
+                break;
+            fl->flights[pos] = fl->flights[child];
+            pos = child;
+        }
+        fl->flights[pos] = last;
+    }
+    return top;
+}
+
+static int by_order(const void *a, const void *b)
+{
+    uint64_t x = ((const struct chm_flight *)a)->order, y = ((const struct chm_flight *)b)->order;
+    return (x > y) - (x < y);
+}
+
+static int by_finish_order(const void *a, const void *b)
+{
+    const struct chm_flight *x = a, *y = b;
+    return flight_less(x, y) ? -1 : flight_less(y, x) ? 1 : 0;
+}
+
+int chm_flusher_new(uint32_t frames, uint8_t *queued, struct chm_flusher **out)
+{
+    struct chm_flusher *fl = calloc(1, sizeof *fl);
+    if (!fl)
+        return CHM_E_NOMEM;
+    fl->frames = frames;
+    fl->pages_in_flight_limit = -1;
+    fl->queued = queued;
+    if (!queued) {
+        fl->queued = calloc(frames ? frames : 1, 1);
+        fl->owns_queued = 1;
+    }
+    fl->dirty_frame = malloc((size_t)(frames ? frames : 1) * sizeof *fl->dirty_frame);
+    fl->dirty_since = malloc((size_t)(frames ? frames : 1) * sizeof *fl->dirty_since);
+    fl->scratch = malloc((size_t)(frames ? frames : 1) * sizeof(struct seq_entry));
+    if (!fl->queued || !fl->dirty_frame || !fl->dirty_since || !fl->scratch) {
+        chm_flusher_free(fl);
+        return CHM_E_NOMEM;
+    }
+    *out = fl;
+    return CHM_OK;
+}
+
+void chm_flusher_free(struct chm_flusher *fl)
+{
+    if (!fl)
+        return;
+    for (uint64_t i = 0; i < fl->n_flights; i++)
+        free(fl->flights[i].seqs);
+    free(fl->flights);
+    if (fl->owns_queued)
+        free(fl->queued);
+    free(fl->dirty_frame);
+    free(fl->dirty_since);
+    free(fl->scratch);
+    free(fl->landed);
+    free(fl);
+}
+
+/* -- the flusher (Flusher) -- */
+
+static int at_flight_limit(const struct chm_flusher *fl)
+{
+    return fl->pages_in_flight_limit >= 0 && fl->flushing_pages >= (uint64_t)fl->pages_in_flight_limit;
+}
+
+/* Flusher._flight_room_at; NaN: no memory. Cached until a flush starts: flights land in (finish, order)
+ * order, a prefix of the sorted flights, which lowers the pages that must land by as many as landed, so
+ * while still at the limit the flight that brings them under it is the same one. */
+static double flight_room_at(struct chm_flusher *fl)
+{
+    if (!fl->n_flights)
+        return 0.0;  /* (at the limit with none in flight: a limit of 0) */
+    if (!fl->room_valid || fl->room_order != fl->flight_order) {
+        uint64_t must_land = fl->flushing_pages - (uint64_t)fl->pages_in_flight_limit + 1, landed = 0;
+        double at = 0.0;
+        if (fl->n_flights && fl->flights[0].pages >= must_land) {  /* the first to land is enough: the heap's top */
+            fl->room_order = fl->flight_order;
+            fl->room_pages = fl->flushing_pages;
+            fl->room_at = fl->flights[0].finish;
+            fl->room_valid = 1;
+            return fl->room_at;
+        }
+        struct chm_flight *sorted = malloc((size_t)(fl->n_flights ? fl->n_flights : 1) * sizeof *sorted);
+        if (!sorted)
+            return NOT_A_TIME;
+        memcpy(sorted, fl->flights, (size_t)fl->n_flights * sizeof *sorted);
+        qsort(sorted, fl->n_flights, sizeof *sorted, by_finish_order);
+        for (uint64_t i = 0; i < fl->n_flights; i++) {
+            at = sorted[i].finish;
+            landed += sorted[i].pages;
+            if (landed >= must_land)
+                break;
+        }
+        free(sorted);
+        fl->room_order = fl->flight_order;
+        fl->room_pages = fl->flushing_pages;
+        fl->room_at = at;
+        fl->room_valid = 1;
+    }
+    return fl->room_at;
+}
+
+/* Policy.next_flush_at (CachePolicy's or HymCachePolicy's): 1 and *at, or 0 (never); NaN *at: no memory. */
+static int next_flush_at(const struct chm_dev *d, const struct chm_flusher *fl, double now, double *at)
+{
+    if (!fl->n_dirty)
+        return 0;
+    double oldest = fl->dirty_since[fl->dirty_head];
+    if (fl->rule == CHM_FLUSH_AFTER_DELAY) {
+        double delay = fl->writeback_delay_ns;
+        *at = py_max(now, earliest_time(oldest + delay, due_after_delay, oldest, delay));
+        return 1;
+    }
+    double ready;  /* FlushArbiter.next_grant_at */
+    if (fl->n_dirty >= fl->batch_pages)
+        ready = fl->dirty_since[ring_at(fl, fl->batch_pages - 1)];
+    else
+        ready = earliest_time(oldest + fl->max_delay_ns, due_by_age, oldest, fl->max_delay_ns);
+    *at = py_max(py_max(now, ready), reads_idle_at(d, now, fl->max_reads_in_flight));
+    return 1;
+}
+
+/* Policy.flush_grant */
+static uint64_t flush_grant(const struct chm_flusher *fl, double now, uint64_t reads, int force)
+{
+    if (fl->rule == CHM_FLUSH_AFTER_DELAY) {
+        if (force)
+            return fl->n_dirty;
+        double due_before = now - fl->writeback_delay_ns;
+        uint64_t n = 0;
+        while (n < fl->n_dirty && !(fl->dirty_since[ring_at(fl, n)] > due_before))
+            n++;
+        return n;
+    }
+    double oldest_age = fl->n_dirty ? now - fl->dirty_since[fl->dirty_head] : 0.0;  /* FlushArbiter.grant */
+    if (fl->n_dirty == 0)
+        return 0;
+    if (force)
+        return fl->n_dirty < fl->batch_pages ? fl->n_dirty : fl->batch_pages;
+    if (reads > fl->max_reads_in_flight)
+        return 0;
+    if (fl->n_dirty >= fl->batch_pages)
+        return fl->batch_pages;
+    if (oldest_age >= fl->max_delay_ns)
+        return fl->n_dirty;
+    return 0;
+}
+
+static int seq_by_page(const void *a, const void *b)
+{
+    uint64_t x = ((const struct seq_entry *)a)->page, y = ((const struct seq_entry *)b)->page;
+    return (x > y) - (x < y);
+}
+
+static uint64_t page_of_frame(const struct chm_dev *d, uint32_t frame)
+{
+    uint32_t local;
+    struct chm_ft *ft = frame_table(d, frame, &local);
+    return ft->page_of[local];
+}
+
+/* Flusher._write_run of entries[0, n) */
+static int write_run(struct seq *q, const struct seq_entry *run, uint32_t n, double now)
+{
+    struct chm_flusher *fl = q->fl;
+    double finish = seq_media_write(q, run[0].page, n, now);
+    int64_t *seqs = malloc((size_t)n * (sizeof *seqs + sizeof(double)));
+    if (!seqs)
+        return CHM_E_NOMEM;
+    double *since = (double *)(seqs + n);
+    for (uint32_t i = 0; i < n; i++) {
+        seqs[i] = q->d->write_seq[run[i].frame];
+        since[i] = run[i].since;
+    }
+    fl->flight_order++;
+    fl->flushing_pages += n;
+    struct chm_flight f = {.finish = finish, .order = fl->flight_order, .frame = run[0].frame, .pages = n,
+                           .seqs = seqs, .since = since};
+    if (flight_push(fl, f)) {
+        free(seqs);
+        return CHM_E_NOMEM;
+    }
+    q->c->flushed_pages += n;
+    return CHM_OK;
+}
+
+/* Flusher.start_flush of the dirty queue's n oldest entries (popped) */
+static int start_flush(struct seq *q, uint64_t n, double now)
+{
+    struct chm_flusher *fl = q->fl;
+    struct seq_entry *e = fl->scratch;
+    q->c->flush_batches++;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t k = ring_at(fl, 0);
+        e[i].frame = fl->dirty_frame[k];
+        e[i].since = fl->dirty_since[k];
+        e[i].page = page_of_frame(q->d, e[i].frame);
+        fl->dirty_head = k + 1 == fl->frames ? 0 : k + 1;
+        fl->n_dirty--;
+    }
+    if (n > 1)
+        qsort(e, n, sizeof *e, seq_by_page);  /* pages are distinct: sorted() is stable, qsort the same */
+    for (uint64_t i = 0; i < n; i++) {
+        fl->queued[e[i].frame] = 0;
+        pol_pin(q, e[i].frame);
+    }
+    for (uint64_t start = 0, i = 1; i <= n; i++) {
+        if (i < n && e[i].frame == e[i - 1].frame + 1 && seq_contiguous(q->d, e[i - 1].page, e[i].page))
+            continue;
+        int rc = write_run(q, e + start, (uint32_t)(i - start), now);
+        if (rc)
+            return rc;
+        start = i;
+    }
+    return CHM_OK;
+}
+
+/* Flusher.complete_flights: the latest finish retired; NaN: no memory. */
+static double complete_flights(struct seq *q, double now)
+{
+    struct chm_flusher *fl = q->fl;
+    uint64_t n = 0;
+    while (fl->n_flights && fl->flights[0].finish <= now) {
+        if (n == fl->landed_cap) {
+            uint64_t cap = fl->landed_cap ? 2 * fl->landed_cap : 64;
+            void *grown = realloc(fl->landed, (size_t)cap * sizeof(struct chm_flight));
+            if (!grown) {
+                q->rc = CHM_E_NOMEM;
+                return NOT_A_TIME;
+            }
+            fl->landed = grown;
+            fl->landed_cap = cap;
+        }
+        ((struct chm_flight *)fl->landed)[n++] = flight_pop(fl);
+    }
+    struct chm_flight *landed = fl->landed;
+    if (n > 1)
+        qsort(landed, n, sizeof *landed, by_order);  /* retired in issue order */
+    double latest = 0.0;
+    for (uint64_t i = 0; i < n; i++) {
+        struct chm_flight *f = &landed[i];
+        fl->flushing_pages -= f->pages;
+        for (uint32_t j = 0; j < f->pages; j++) {
+            uint32_t frame = f->frame + j;
+            pol_unpin(q, frame);
+            if (q->d->write_seq[frame] == f->seqs[j] && !fl->queued[frame])
+                pol_flushed(q, frame);
+        }
+        latest = py_max(latest, f->finish);
+        free(f->seqs);
+    }
+    return latest;
+}
+
+/* Flusher.tick (data off: no failed staging read to drop, no backoff) */
+static int tick(struct seq *q, double now, int force)
+{
+    struct chm_flusher *fl = q->fl;
+    double latest = complete_flights(q, now);
+    if (latest != latest)
+        return q->rc;
+    if (!force && at_flight_limit(fl))
+        return CHM_OK;
+    while (fl->n_dirty) {
+        uint64_t n = flush_grant(fl, now, reads_in_flight(q->d, now), force);
+        if (n == 0)
+            return CHM_OK;
+        int rc = start_flush(q, n, now);
+        if (rc)
+            return rc;
+        if (!force)
+            return CHM_OK;
+    }
+    return CHM_OK;
+}
+
+/* Flusher.next_event_ns (data off): 1 and *due, or 0; NaN *due: no memory. */
+static int next_event(const struct chm_dev *d, struct chm_flusher *fl, double now, double *due)
+{
+    int has = 0;
+    double at = 0.0;
+    if (fl->n_dirty && at_flight_limit(fl)) {
+        at = flight_room_at(fl);
+        has = 1;
+    }
+    double grant;
+    if (fl->n_dirty && !at_flight_limit(fl) && next_flush_at(d, fl, now, &grant) && (!has || grant < at)) {
+        at = grant;
+        has = 1;
+    }
+    if (has)
+        *due = py_max(now, at);
+    return has;
+}
+
+/* Flusher.flush: its finish; NaN: no memory. */
+static double dev_flush(struct seq *q, double now)
+{
+    struct chm_flusher *fl = q->fl;
+    q->c->flush_calls++;
+    int rc = tick(q, now, 1);
+    if (rc) {
+        q->rc = rc;
+        return NOT_A_TIME;
+    }
+    double done = now;
+    for (uint64_t i = 0; i < fl->n_flights; i++)
+        done = py_max(done, fl->flights[i].finish);
+    double latest = complete_flights(q, 1.0 / 0.0);
+    if (latest != latest)
+        return NOT_A_TIME;
+    return done;
+}
+
+/* -- the controller's data-off steps -- */
+
 /* Controller._take_frame (with Flusher.write_back): the frame is free from the time returned. */
-static double seq_take_frame(struct seq *q, const struct chm_access *a, uint32_t frame, double now)
+static double take_frame(struct seq *q, const struct chm_access *a, uint32_t frame, double now)
 {
     double ready = now;
     if (a->victim_page != CHM_NO_PAGE) {
-        q->out->counts.evictions++;
+        q->c->evictions++;
         if (a->victim_dirty) {
-            q->out->counts.dirty_evictions++;
-            seq_unqueue(q, frame);
+            q->c->dirty_evictions++;
+            fl_unqueue(q->fl, frame);
             ready = seq_media_write(q, a->victim_page, 1, now);
         }
     }
     return ready;
 }
 
-/* Controller._allocate with the policy's allocate_clean (= allocate_write): a frame for `page`, not resident.
- * Never every frame pinned here: -1 if it were. */
-static int64_t seq_allocate(struct seq *q, uint64_t page, struct chm_access *a)
+/* Controller._allocate: a frame of `area` for `page` (not resident), or -1 (q->rc says why); *now moves
+ * past the flushes in flight when every frame was pinned. */
+static int64_t allocate(struct seq *q, const struct chm_dev_area *area, uint64_t page, double *now,
+                        struct chm_access *a)
 {
-    if (chm_ft_insert(q->ft, page, a) != CHM_OK)
+    int rc = chm_ft_insert(area->table, page, a);
+    if (rc == CHM_ALL_PINNED) {
+        double latest = complete_flights(q, 1.0 / 0.0);
+        if (latest != latest)
+            return -1;
+        *now = py_max(*now, latest);
+        rc = chm_ft_insert(area->table, page, a);
+    }
+    if (rc != CHM_OK) {
+        q->rc = rc == CHM_ALL_PINNED ? CHM_NO_FRAME : rc;
+        q->failed_page = page;
         return -1;
-    return (int64_t)q->base + a->frame;
+    }
+    return (int64_t)area->base + a->frame;
 }
 
-/* Controller._stage at t; the frame, or -1. */
-static int64_t seq_stage(struct seq *q, uint64_t page, double t)
+/* The area clean pages are staged into (Policy.allocate_clean, staged_lookup): the read area. */
+static const struct chm_dev_area *clean_area(const struct seq *q)
+{
+    return q->fl->copy_area.table ? &q->fl->copy_area : &q->fl->write_area;
+}
+
+/* Controller._stage at t into the read area; the frame, or -1. */
+static int64_t stage(struct seq *q, uint64_t page, double t)
 {
     struct chm_access a;
-    int64_t frame = seq_allocate(q, page, &a);
+    int64_t frame = allocate(q, clean_area(q), page, &t, &a);
     if (frame < 0)
         return -1;
-    double ready = seq_take_frame(q, &a, (uint32_t)frame, t);
+    double ready = take_frame(q, &a, (uint32_t)frame, t);
     double done = seq_media_read(q, page, t);
+    if (done != done)
+        return -1;
     q->d->ready_at[frame] = py_max(done, ready);
     return frame;
 }
 
 /* Controller._copy_out of pages [first, last] (in frames[], or looked up when frames is NULL) at t: the
  * DRAM pipe, then the link, page by page (the two pipes are apart: the same as a stream through each). */
-static double seq_copy_out(struct seq *q, uint64_t addr, uint64_t len, uint64_t first, uint64_t last,
-                           const uint32_t *frames, double t)
+static double copy_out(struct seq *q, uint64_t addr, uint64_t len, uint64_t first, uint64_t last,
+                       const uint32_t *frames, double t)
 {
     struct chm_dev *d = q->d;
     const uint64_t page_size = d->page_size, first_page = addr / page_size, end = addr + len;
     double arrival = t;
     for (uint64_t page = first; page <= last; page++) {
-        uint64_t frame = frames ? frames[page - first] : (uint64_t)seq_lookup(q, page);
+        uint64_t frame = frames ? frames[page - first] : (uint64_t)area_lookup(&d->areas[0], page);
         uint64_t base = page * page_size;
         uint64_t lo = page == first_page ? addr - base : 0;
         uint64_t hi = end < base + page_size ? end - base : page_size;
@@ -1695,99 +2269,140 @@ static double seq_copy_out(struct seq *q, uint64_t addr, uint64_t len, uint64_t 
     return arrival;
 }
 
-/* Controller.read (whole, no buffer) after its tick, which has nothing to do here; its finish, or NaN. */
-static double seq_read(struct seq *q, uint64_t addr, uint64_t len, double now)
+/* Controller.read (no buffer) of a device of one area after its tick; its finish, or NaN. pages[0..2]: the
+ * pages hit, missed and merged. */
+static double seq_read(struct seq *q, uint64_t addr, uint64_t len, double now, int count_command, uint64_t *pages_out)
 {
     struct chm_dev *d = q->d;
+    const struct chm_dev_area *area = &d->areas[0];
     double finish;
-    if (chm_dev_read_hit(d, addr, len, now, NULL, 1, &finish))
+    int64_t hit = chm_dev_read_hit(d, addr, len, now, NULL, count_command, &finish);
+    if (hit) {
+        pages_out[0] = (uint64_t)hit;
+        pages_out[1] = pages_out[2] = 0;
         return finish;
+    }
     const uint64_t first = addr / d->page_size, last = (addr + len - 1) / d->page_size, pages = last - first + 1;
+    uint64_t hits = 0, missed = 0, merged = 0;
     d->counts.read_bytes += len;
     double t = chm_clocked_run(d->controller, now, d->cycles_per_command + pages * d->cycles_per_lookup);
     int all_resident = 1;
     for (uint64_t page = first; page <= last && all_resident; page++)
-        all_resident = seq_lookup(q, page) >= 0;
+        all_resident = area_lookup(area, page) >= 0;
     if (all_resident) {  /* nothing can be evicted: nothing pinned */
-        uint64_t merged = 0;
         for (uint64_t page = first; page <= last; page++) {
-            int64_t frame = seq_lookup(q, page);
+            int64_t frame = area_lookup(area, page);
             if (d->ready_at[frame] > t)
                 merged++;
             else
-                chm_ft_touch(q->ft, (uint32_t)(frame - q->base));
+                pol_touch(q, (uint32_t)frame);
         }
-        d->counts.page_hits += pages - merged;
-        q->out->counts.merged_misses += merged;
-        finish = seq_copy_out(q, addr, len, first, last, NULL, t);
+        hits = pages - merged;
+        d->counts.page_hits += hits;
+        q->c->merged_misses += merged;
+        finish = copy_out(q, addr, len, first, last, NULL, t);
     } else {  /* staging may evict: pin what a chunk uses until it is copied (_lookup_or_stage) */
+        uint32_t chunk[SEQ_MAX_CHUNK];
         finish = t;
         for (uint64_t start = first; start <= last; start += d->chunk_pages) {
             uint64_t end = last - start < d->chunk_pages ? last : start + d->chunk_pages - 1;
             for (uint64_t page = start; page <= end; page++) {
-                int64_t frame = seq_lookup(q, page);
+                int64_t frame = area_lookup(area, page);
                 if (frame < 0) {
-                    q->out->counts.page_misses++;
-                    frame = seq_stage(q, page, t);
-                    if (frame < 0)
-                        return 0.0 / 0.0;
+                    missed++;
+                    q->c->page_misses++;
+                    frame = stage(q, page, t);
+                    if (frame < 0) {
+                        for (uint64_t p = start; p < page; p++)  /* the finally: unpin what it pinned */
+                            pol_unpin(q, chunk[p - start]);
+                        return NOT_A_TIME;
+                    }
                 } else if (d->ready_at[frame] > t) {
-                    q->out->counts.merged_misses++;
+                    merged++;
+                    q->c->merged_misses++;
                 } else {
+                    hits++;
                     d->counts.page_hits++;
-                    chm_ft_touch(q->ft, (uint32_t)(frame - q->base));
+                    pol_touch(q, (uint32_t)frame);
                 }
-                chm_ft_pin(q->ft, (uint32_t)(frame - q->base));
-                q->chunk[page - start] = (uint32_t)frame;
+                pol_pin(q, (uint32_t)frame);
+                chunk[page - start] = (uint32_t)frame;
             }
-            finish = py_max(finish, seq_copy_out(q, addr, len, start, end, q->chunk, t));
+            finish = py_max(finish, copy_out(q, addr, len, start, end, chunk, t));
             for (uint64_t page = start; page <= end; page++)
-                chm_ft_unpin(q->ft, q->chunk[page - start] - q->base);
+                pol_unpin(q, chunk[page - start]);
         }
     }
-    d->counts.reads++;  /* Controller.count_command */
-    chm_histogram_add(d->read_latency, finish - now);
+    if (count_command) {  /* Controller.count_command */
+        d->counts.reads++;
+        chm_histogram_add(d->read_latency, finish - now);
+    }
+    pages_out[0] = hits;
+    pages_out[1] = missed;
+    pages_out[2] = merged;
     return finish;
 }
 
+/* Controller._fill_partial (no bytes) */
+static double fill_partial(struct seq *q, uint32_t frame, uint64_t page, double now)
+{
+    int64_t copy = area_lookup(&q->fl->copy_area, page);
+    if (copy >= 0 && (uint32_t)copy != frame)
+        return py_max(now, q->d->ready_at[copy]);
+    q->c->rmw_reads++;
+    return seq_media_read(q, page, now);
+}
+
 /* Controller._write_page (no bytes) at now; its finish, or NaN. */
-static double seq_write_page(struct seq *q, uint64_t page, uint64_t lo, uint64_t hi, double now)
+static double write_page(struct seq *q, uint64_t page, uint64_t lo, uint64_t hi, double now)
 {
     struct chm_dev *d = q->d;
-    int64_t frame = seq_lookup(q, page);
+    struct chm_flusher *fl = q->fl;
+    int64_t frame = area_lookup(&fl->write_area, page);
     double ready = now;
     if (frame < 0) {
         struct chm_access a;
-        frame = seq_allocate(q, page, &a);
+        frame = allocate(q, &fl->write_area, page, &now, &a);
         if (frame < 0)
-            return 0.0 / 0.0;
-        ready = seq_take_frame(q, &a, (uint32_t)frame, now);
+            return NOT_A_TIME;
+        ready = take_frame(q, &a, (uint32_t)frame, now);
         d->ready_at[frame] = now;
-        if (hi - lo < d->page_size) {  /* _fill_partial: no second copy; the rest of the page from the media */
-            q->out->counts.rmw_reads++;
-            ready = py_max(ready, seq_media_read(q, page, now));
+        if (hi - lo < d->page_size) {  /* partial page: the rest from DRAM's staged copy or the media */
+            double filled = fill_partial(q, (uint32_t)frame, page, now);
+            if (filled != filled)
+                return filled;
+            ready = py_max(ready, filled);
         }
     } else {
-        chm_ft_touch(q->ft, (uint32_t)(frame - q->base));
+        pol_touch(q, (uint32_t)frame);
     }
     d->write_seq[frame]++;
-    chm_ft_mark_dirty(q->ft, (uint32_t)(frame - q->base));
-    if (!q->queued[frame]) {  /* Flusher.enqueue */
-        q->queued[frame] = 1;
-        q->dirty[q->n_dirty++] = (uint32_t)frame;
-    }
+    pol_mark_dirty(q, (uint32_t)frame);
+    fl_enqueue(fl, (uint32_t)frame, now);
     return chm_pipe_transfer(d->dram_pipe, py_max(ready, d->ready_at[frame]), hi - lo, 1.0);
 }
 
-/* Controller.write (whole, no bytes) after its tick; its finish, or NaN. */
-static double seq_write(struct seq *q, uint64_t addr, uint64_t len, double now)
+/* Controller.write (no bytes) after its tick; CHM_OK (out: its finish and pages) or a status. */
+static int seq_write(struct seq *q, uint64_t addr, uint64_t len, double now, int count_command,
+                     struct chm_write_result *out)
 {
     struct chm_dev *d = q->d;
+    struct chm_flusher *fl = q->fl;
     const uint64_t page_size = d->page_size, first = addr / page_size, last = (addr + len - 1) / page_size;
     const uint64_t pages = last - first + 1, end = addr + len;
+    uint64_t new_pages = 0;
     for (uint64_t page = first; page <= last; page++)
-        q->out->write_misses += seq_lookup(q, page) < 0;
-    q->out->counts.write_bytes += len;
+        new_pages += area_lookup(&fl->write_area, page) < 0;
+    out->new_pages = new_pages;
+    out->pages = pages;
+    if (new_pages > fl->write_buffer_frames && fl->write_buffer_frames > 0)
+        return CHM_WRITE_TOO_BIG;
+    if (fl->admission && !chm_admission_admit(fl->admission, new_pages)) {
+        q->c->refused_writes++;
+        q->c->refused_write_bytes += len;
+        return CHM_WRITE_REFUSED;
+    }
+    q->c->write_bytes += len;
     double arrived = chm_pipe_transfer(d->link_to_device, now, len, 1.0);
     double t = chm_clocked_run(d->controller, arrived, d->cycles_per_command + pages * d->cycles_per_admission);
     double finish = t;
@@ -1795,84 +2410,204 @@ static double seq_write(struct seq *q, uint64_t addr, uint64_t len, double now)
         uint64_t base = page * page_size;
         uint64_t lo = addr > base ? addr - base : 0;
         uint64_t hi = end < base + page_size ? end - base : page_size;
-        double done = seq_write_page(q, page, lo, hi, t);
-        if (done != done)
-            return done;
+        double done = write_page(q, page, lo, hi, t);
+        if (done != done) {
+            out->page = q->failed_page;
+            return q->rc ? q->rc : CHM_E_INTERNAL;
+        }
         finish = py_max(finish, done);
     }
-    q->out->counts.writes++;
-    chm_histogram_add(d->write_latency, finish - now);
-    return finish;
-}
-
-static int seq_by_page(const void *a, const void *b)
-{
-    uint64_t x = ((const struct seq_entry *)a)->page, y = ((const struct seq_entry *)b)->page;
-    return (x > y) - (x < y);
-}
-
-/* Flusher.flush at now (nothing in flight before it): every dirty page to the media in one batch
- * (start_flush: by page, a media write per run of frames that follow each other in DRAM and on the media),
- * then each landed (complete_flights): unpinned and clean. Its finish. */
-static double seq_flush(struct seq *q, double now)
-{
-    struct chm_dev *d = q->d;
-    struct chm_seq_counts *c = &q->out->counts;
-    c->flush_calls++;
-    double done = now;
-    if (!q->n_dirty)
-        return done;
-    for (uint32_t i = 0; i < d->n_ssds; i++)  /* the flush rule's reads_in_flight(now): it forces, whatever */
-        chm_ssd_reads_in_flight(d->ssds[i], now);
-    c->flush_batches++;
-    uint32_t n = q->n_dirty;
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t frame = q->dirty[i];
-        q->order[i].frame = frame;
-        q->order[i].page = q->ft->page_of[frame - q->base];
-        q->queued[frame] = 0;
-        chm_ft_pin(q->ft, frame - q->base);
+    if (count_command) {
+        q->c->writes++;
+        chm_histogram_add(d->write_latency, finish - now);
     }
-    q->n_dirty = 0;
-    if (n > 1)
-        qsort(q->order, n, sizeof *q->order, seq_by_page);
-    for (uint32_t start = 0, i = 1; i <= n; i++) {
-        if (i < n && q->order[i].frame == q->order[i - 1].frame + 1
-            && seq_contiguous(d, q->order[i - 1].page, q->order[i].page))
+    out->finish = finish;
+    return CHM_OK;
+}
+
+static int range_ok(const struct chm_dev *d, uint64_t addr, uint64_t len)
+{
+    return len != 0 && addr <= d->capacity && len <= d->capacity - addr;
+}
+
+static struct seq dev_seq(struct chm_dev *d)
+{
+    struct seq q = {.d = d, .fl = d->flusher, .c = d->ops};
+    return q;
+}
+
+/* -- the single operations -- */
+
+int chm_dev_tick(struct chm_dev *d, double now, int force)
+{
+    struct seq q = dev_seq(d);
+    uint64_t batches = q.c->flush_batches;
+    int rc = tick(&q, now, force);
+    return rc ? rc : q.c->flush_batches != batches;
+}
+
+double chm_dev_complete_flights(struct chm_dev *d, double now)
+{
+    struct seq q = dev_seq(d);
+    return complete_flights(&q, now);
+}
+
+int chm_dev_next_event(struct chm_dev *d, double now, double *due)
+{
+    return next_event(d, d->flusher, now, due);
+}
+
+int chm_dev_run_until(struct chm_dev *d, double from, double until, uint64_t *ran, double *t)
+{
+    struct seq q = dev_seq(d);
+    double due;
+    *ran = 0;
+    *t = from;
+    while (next_event(d, q.fl, *t, &due) && due <= until) {
+        if (due != due)
+            return CHM_E_NOMEM;
+        uint64_t batches = q.c->flush_batches, flights = q.fl->n_flights;
+        int rc = tick(&q, due, 0);
+        if (rc)
+            return rc;
+        if (q.c->flush_batches == batches && q.fl->n_flights == flights) {
+            *t = due;
+            return CHM_E_INTERNAL;
+        }
+        *t = due;
+        ++*ran;
+    }
+    return CHM_OK;
+}
+
+double chm_dev_quiet_until(struct chm_dev *d, double now)
+{
+    struct chm_flusher *fl = d->flusher;
+    double until = fl->n_flights ? fl->flights[0].finish : 1.0 / 0.0, grant;
+    if (fl->n_dirty && !at_flight_limit(fl) && next_flush_at(d, fl, now, &grant) && grant < until)
+        until = grant;
+    return until;
+}
+
+double chm_dev_flush(struct chm_dev *d, double now)
+{
+    struct seq q = dev_seq(d);
+    return dev_flush(&q, now);
+}
+
+double chm_dev_write_back(struct chm_dev *d, uint32_t frame, uint64_t victim_page, double now)
+{
+    struct seq q = dev_seq(d);
+    q.c->dirty_evictions++;
+    fl_unqueue(q.fl, frame);
+    return seq_media_write(&q, victim_page, 1, now);
+}
+
+int chm_dev_write(struct chm_dev *d, uint64_t addr, uint64_t len, double now, int count_command,
+                  struct chm_write_result *out)
+{
+    if (!range_ok(d, addr, len))
+        return CHM_E_ARG;
+    struct seq q = dev_seq(d);
+    int rc = tick(&q, now, 0);
+    if (rc)
+        return rc;
+    return seq_write(&q, addr, len, now, count_command, out);
+}
+
+int64_t chm_dev_read(struct chm_dev *d, uint64_t addr, uint64_t len, double now, int count_command, double *out)
+{
+    if (!range_ok(d, addr, len) || d->n_areas != 1 || d->chunk_pages > SEQ_MAX_CHUNK || !d->chunk_pages)
+        return CHM_E_ARG;
+    struct seq q = dev_seq(d);
+    uint64_t pages[3];
+    double finish = seq_read(&q, addr, len, now, count_command, pages);
+    if (finish != finish) {
+        out[1] = (double)q.failed_page;
+        return q.rc ? q.rc : CHM_E_INTERNAL;
+    }
+    out[0] = finish;
+    out[1] = (double)pages[0];
+    out[2] = (double)pages[1];
+    out[3] = (double)pages[2];
+    return (int64_t)(pages[0] + pages[1] + pages[2]);
+}
+
+int chm_dev_prefetch_fetch(struct chm_dev *d, struct chm_pf *pf, double t, uint32_t *frames,
+                           struct chm_prefetch_result *out)
+{
+    struct seq q = dev_seq(d);
+    const struct chm_dev_area *clean = clean_area(&q);
+    memset(out, 0, sizeof *out);
+    out->ready_at = t;
+    int64_t handle;
+    uint64_t page;
+    while (chm_pf_next_fetch(pf, &handle, &page)) {
+        t = chm_clocked_run(d->controller, t, d->cycles_per_prefetch_page);
+        out->t = t;
+        int64_t frame = area_lookup(clean, page);  /* Policy.staged_lookup */
+        const struct chm_dev_area *area;
+        if (frame < 0 && dev_lookup(d, page, &area) >= 0) {  /* Policy.lookup: the newest data is written */
+            out->resident++;
             continue;
-        double finish = seq_media_write(q, q->order[start].page, i - start, now);  /* _write_run */
-        q->out->flush_writes++;
-        c->flushed_pages += i - start;
-        done = py_max(done, finish);
-        start = i;
+        }
+        if (frame < 0) {
+            out->staged++;
+            frame = stage(&q, page, t);
+            if (frame < 0) {
+                out->page = page;
+                return q.rc ? q.rc : CHM_E_INTERNAL;
+            }
+        } else {
+            out->resident++;
+            pol_touch(&q, (uint32_t)frame);
+        }
+        pol_pin(&q, (uint32_t)frame);
+        frames[out->frames++] = (uint32_t)frame;
+        out->ready_at = py_max(out->ready_at, d->ready_at[frame]);
     }
-    for (uint32_t i = 0; i < n; i++) {  /* complete_flights: in issue order, which is page order */
-        uint32_t local = q->order[i].frame - q->base;
-        chm_ft_unpin(q->ft, local);
-        chm_ft_clear_dirty(q->ft, local);  /* no newer write came, nothing queued again */
-    }
-    return done;
+    out->t = t;
+    return CHM_OK;
 }
+
+void chm_dev_release_frames(struct chm_dev *d, const uint32_t *frames, uint64_t n)
+{
+    struct seq q = dev_seq(d);
+    const struct chm_dev_area *clean = clean_area(&q);
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t frame = frames[i];
+        pol_unpin(&q, frame);
+        if (q.fl->drops_staged_on_release && frame >= clean->base && frame - clean->base < clean->table->frames
+            && clean->table->pins[frame - clean->base] == 0)  /* HymCachePolicy.released */
+            chm_ft_invalidate(clean->table, frame - clean->base);
+    }
+}
+
+/* -- the sequential path -- */
 
 int chm_dev_run_sequential(struct chm_dev *d, const uint8_t *kinds, const uint64_t *addrs, const uint64_t *lengths,
                            uint64_t n, double now, struct chm_seq_result *out)
 {
     memset(out, 0, sizeof *out);
     out->now = now;
-    if (d->n_areas != 1 || !d->n_ssds || !d->chunk_pages || !d->stripe_bytes || !d->page_size)
+    if (d->n_areas != 1 || !d->n_ssds || !d->chunk_pages || d->chunk_pages > SEQ_MAX_CHUNK || !d->stripe_bytes
+        || !d->page_size)
         return CHM_E_ARG;
-    struct seq q = {.d = d, .ft = d->areas[0].table, .base = d->areas[0].base, .out = out};
-    uint32_t frames = q.ft->frames;
-    q.dirty = malloc((size_t)frames * sizeof *q.dirty);
-    q.queued = calloc((size_t)q.base + frames, 1);
-    q.order = malloc((size_t)frames * sizeof *q.order);
-    q.chunk = malloc((size_t)d->chunk_pages * sizeof *q.chunk);
+    struct seq q = {.d = d, .fl = d->flusher, .c = &out->counts};
+    struct chm_flusher *own = NULL;
+    if (!q.fl) {  /* the flusher is Python's, settled: a private one, left settled too */
+        uint32_t frames = d->areas[0].base + d->areas[0].table->frames;
+        if (chm_flusher_new(frames, NULL, &own))
+            return CHM_E_NOMEM;
+        own->write_area = d->areas[0];
+        own->write_area_frames = d->areas[0].table->frames;
+        q.fl = own;
+    }
+    uint64_t order0 = q.fl->flight_order;
     int rc = CHM_OK;
-    if (!q.dirty || !q.queued || !q.order || !q.chunk)
-        rc = CHM_E_NOMEM;
     for (uint64_t i = 0; i < n && rc == CHM_OK; i++) {
         uint64_t addr = addrs[i], len = lengths[i];
-        if (kinds[i] > CHM_SEQ_WRITE || len == 0 || addr > d->capacity || len > d->capacity - addr) {
+        if (kinds[i] > CHM_SEQ_WRITE || !range_ok(d, addr, len)) {
             rc = CHM_E_ARG;  /* Controller.check_range (or the kind) refuses it */
             break;
         }
@@ -1882,20 +2617,26 @@ int chm_dev_run_sequential(struct chm_dev *d, const uint8_t *kinds, const uint64
             rc = chm_ssd_reserve(d->ssds[s], kinds[i] == CHM_SEQ_READ ? pages : 2);
         if (rc)
             break;
-        double finish = kinds[i] == CHM_SEQ_READ ? seq_read(&q, addr, len, now) : seq_write(&q, addr, len, now);
+        double finish;
+        if (kinds[i] == CHM_SEQ_READ) {  /* its tick has nothing to do: nothing dirty, nothing in flight */
+            uint64_t counted[3];
+            finish = seq_read(&q, addr, len, now, 1, counted);
+        } else {
+            struct chm_write_result w;
+            finish = seq_write(&q, addr, len, now, 1, &w) == CHM_OK ? w.finish : NOT_A_TIME;
+            out->write_misses += w.new_pages;
+            if (finish == finish)
+                finish = dev_flush(&q, finish);
+        }
         if (finish != finish) {
-            rc = CHM_E_INTERNAL;
+            rc = q.rc == CHM_E_NOMEM ? CHM_E_NOMEM : CHM_E_INTERNAL;
             break;
         }
-        if (kinds[i] == CHM_SEQ_WRITE)
-            finish = seq_flush(&q, finish);
         now = finish;
         out->done = i + 1;
         out->now = now;
     }
-    free(q.dirty);
-    free(q.queued);
-    free(q.order);
-    free(q.chunk);
+    out->flush_writes = q.fl->flight_order - order0;
+    chm_flusher_free(own);
     return rc;
 }

@@ -1,16 +1,19 @@
 /* The device model's native core: the DRAM frame table with the built-in
  * eviction structures, the prefetch engine's window and handle accounting,
  * write admission, the timing model's pipes, SSD models and latency
- * histogram, the DRAM-hit read (chm serve's native hit path) and the
- * sequential path (Controller.run_sequential).
+ * histogram, the DRAM-hit read (chm serve's native hit path), the flusher
+ * and the controller's operations with data emulation off (the replay's
+ * path: Controller.write, read, prefetch, release, tick, run_until, flush)
+ * and the sequential path (Controller.run_sequential), which share them.
  *
  * One implementation: the emulator (live serving, replay) and the RTL
  * lockstep benches reach it through cffi (emulator/native_build.py cuts the
  * text between the cdef markers out of this header, so every constant and
  * struct below is defined once, here). The decisions are specified in
  * emulator/frame_table.py, emulator/prefetch.py, emulator/write_buffer.py,
- * emulator/timing.py, emulator/controller.py (Controller.read, write) and
- * emulator/flusher.py (Flusher.flush).
+ * emulator/timing.py, emulator/controller.py (Controller.read, write,
+ * prefetch, release), emulator/flusher.py (Flusher) and the policies' flush
+ * rules and write paths (emulator/policies/base.py, hymcache.py).
  */
 #ifndef CHM_CORE_H
 #define CHM_CORE_H
@@ -262,6 +265,86 @@ struct chm_read_counts {
     uint64_t hit_bytes;
 };
 
+/* The stats the data-off operations and the sequential path count besides chm_dev's `counts` (the names are
+ * the stats' own). */
+struct chm_seq_counts {
+    uint64_t writes;
+    uint64_t write_bytes;
+    uint64_t flush_calls;
+    uint64_t flush_batches;
+    uint64_t flushed_pages;
+    uint64_t page_misses;
+    uint64_t merged_misses;
+    uint64_t evictions;
+    uint64_t dirty_evictions;
+    uint64_t rmw_reads;
+    uint64_t ssd_read_bytes;
+    uint64_t ssd_write_bytes;
+    uint64_t refused_writes;
+    uint64_t refused_write_bytes;
+};
+
+/* ---- The flusher with data emulation off (emulator/flusher.py's Flusher, whose state it then holds) ----
+ * The dirty queue (frames and write times, oldest first, a ring), the flush writes in flight (a min-heap by
+ * (finish, issue order), each a run of frames with the write_seq each had), and the policy's flush rule and
+ * write path (emulator/policies/base.py CachePolicy, emulator/policies/hymcache.py HymCachePolicy). With data
+ * off no media error can happen: no backoff, no held pages, no requeue. */
+#define CHM_FLUSH_AFTER_DELAY 0     /* CachePolicy: a page is flushed lru_writeback_delay_ns after its write */
+#define CHM_FLUSH_ARBITER 1         /* hymcache: FlushArbiter's batches while reads are idle */
+
+struct chm_flight {
+    double finish;
+    uint64_t order;                 /* Flusher._flight_order at its issue */
+    uint32_t frame;                 /* its first frame; the run is frames [frame, frame + pages) */
+    uint32_t pages;
+    int64_t *seqs;                  /* each frame's write_seq at issue */
+    double *since;                  /* each frame's write time */
+};
+
+struct chm_flusher {
+    /* the policy's flush rule */
+    uint32_t rule;                  /* CHM_FLUSH_* */
+    double writeback_delay_ns;      /* CHM_FLUSH_AFTER_DELAY */
+    uint64_t batch_pages;           /* CHM_FLUSH_ARBITER */
+    uint64_t max_reads_in_flight;
+    double max_delay_ns;
+    int64_t pages_in_flight_limit;  /* Policy.flush_pages_in_flight; -1: none */
+    /* the policy's write path: write_lookup and allocate_write in write_area, read_copy in copy_area
+     * (table NULL: none), admit_writes by `admission` (NULL: every write), and hymcache's frames to free
+     * once unpinned (NULL: a policy that frees no frame when flushed) */
+    struct chm_dev_area write_area;
+    uint32_t write_area_frames;
+    struct chm_dev_area copy_area;
+    struct chm_admission *admission;
+    uint8_t *free_when_unpinned;    /* by device frame */
+    uint64_t write_buffer_frames;   /* Config.write_buffer_frames */
+    uint32_t drops_staged_on_release;  /* Policy.drops_staged_on_release: a released staged page leaves */
+    /* the state */
+    uint8_t *queued;                /* Flusher.queued, by device frame (the Python bytearray) */
+    uint32_t frames;                /* device frames: the dirty ring's capacity */
+    uint32_t *dirty_frame;          /* the dirty queue, a ring from dirty_head */
+    double *dirty_since;
+    uint64_t dirty_head;
+    uint64_t n_dirty;
+    struct chm_flight *flights;     /* a min-heap by (finish, order) */
+    uint64_t n_flights;
+    uint64_t flights_cap;
+    uint64_t flight_order;          /* Flusher._flight_order */
+    uint64_t flushing_pages;        /* Flusher._flushing_pages */
+    uint64_t room_order, room_pages;/* _flight_room_at's cache key and value */
+    double room_at;
+    int32_t room_valid;
+    int32_t owns_queued;
+    void *scratch;                  /* start_flush's sort, frames long */
+    void *landed;                   /* complete_flights' landed flights */
+    uint64_t landed_cap;
+};
+
+int  chm_flusher_new(uint32_t frames, uint8_t *queued, struct chm_flusher **out);
+void chm_flusher_free(struct chm_flusher *fl);
+/* The dirty queue's i-th entry (oldest first). */
+void chm_flusher_dirty_at(const struct chm_flusher *fl, uint64_t i, uint32_t *frame, double *since);
+
 struct chm_dev {
     uint64_t page_size;
     uint64_t capacity;
@@ -286,6 +369,10 @@ struct chm_dev {
     struct chm_pipe *link_to_device;
     struct chm_histogram *write_latency;
     int64_t *write_seq;             /* per frame: bumped by every write (dram.Frames.write_seq) */
+    /* what the data-off operations (chm_dev_write, chm_dev_read, chm_dev_tick, ...) need besides */
+    struct chm_flusher *flusher;    /* NULL: the flusher is Python's (chm_dev_run_sequential makes its own) */
+    struct chm_seq_counts *ops;     /* what they count (folded into stats by the controller, then zeroed) */
+    uint64_t cycles_per_prefetch_page;
 };
 
 /* Serve a read of [addr, addr + len) at virtual time `now` if every page is resident, ready by the time
@@ -307,22 +394,6 @@ int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double 
 #define CHM_SEQ_READ 0
 #define CHM_SEQ_WRITE 1
 
-/* The stats it counts besides chm_dev's `counts` (the names are the stats' own). */
-struct chm_seq_counts {
-    uint64_t writes;
-    uint64_t write_bytes;
-    uint64_t flush_calls;
-    uint64_t flush_batches;
-    uint64_t flushed_pages;
-    uint64_t page_misses;
-    uint64_t merged_misses;
-    uint64_t evictions;
-    uint64_t dirty_evictions;
-    uint64_t rmw_reads;
-    uint64_t ssd_read_bytes;
-    uint64_t ssd_write_bytes;
-};
-
 struct chm_seq_result {
     uint64_t done;                  /* operations run (all, unless a status stopped it before one) */
     double now;                     /* the finish of the last one run (the start if none) */
@@ -338,6 +409,60 @@ struct chm_seq_result {
  * out->done 0. */
 int chm_dev_run_sequential(struct chm_dev *d, const uint8_t *kinds, const uint64_t *addrs, const uint64_t *lengths,
                            uint64_t n, double now, struct chm_seq_result *out);
+
+/* ---- Single operations with data emulation off (Controller's, through d->flusher) ----
+ * Each is its Python counterpart from its tick on (the caller has checked the range: CHM_E_ARG if not). */
+#define CHM_WRITE_TOO_BIG 1         /* more new pages than the whole write buffer (EINVAL) */
+#define CHM_WRITE_REFUSED 2         /* the policy refuses it now (WriteBufferFull) */
+#define CHM_NO_FRAME 3              /* every frame pinned, even after the flushes in flight landed (EBUSY) */
+
+struct chm_write_result {
+    double finish;
+    uint64_t new_pages;
+    uint64_t pages;
+    uint64_t page;                  /* CHM_NO_FRAME: the page that found none */
+};
+
+/* What chm_dev_prefetch_fetch did. */
+struct chm_prefetch_result {
+    double t;                       /* when the last fetch was issued */
+    double ready_at;                /* when every page staged is in DRAM (Staged.ready_at) */
+    uint64_t staged;                /* prefetch_staged_pages */
+    uint64_t resident;              /* prefetch_resident_pages */
+    uint64_t frames;                /* frames pinned, in frames[] */
+    uint64_t page;                  /* CHM_NO_FRAME: the page that found none */
+};
+
+/* Controller.prefetch's fetch loop, after the engine took the object (engine.issue) and the command's cycles
+ * ended at t: each fetch the engine hands out, its page staged (or found), pinned and put in frames[] (room
+ * for the object's pages). CHM_OK, or CHM_NO_FRAME / CHM_E_NOMEM with what it did before counted in out. */
+int chm_dev_prefetch_fetch(struct chm_dev *d, struct chm_pf *pf, double t, uint32_t *frames,
+                           struct chm_prefetch_result *out);
+/* Controller.release's frames: each unpinned, then Policy.released. */
+void chm_dev_release_frames(struct chm_dev *d, const uint32_t *frames, uint64_t n);
+
+/* Flusher.tick(now, force): 1 if it started a flush (and counted it), else 0; CHM_E_NOMEM. */
+int chm_dev_tick(struct chm_dev *d, double now, int force);
+/* Flusher.complete_flights(now): the latest finish retired (0.0: none). */
+double chm_dev_complete_flights(struct chm_dev *d, double now);
+/* Flusher.next_event_ns(now): 1 and *due, or 0: nothing pending. */
+int chm_dev_next_event(struct chm_dev *d, double now, double *due);
+/* Flusher.run_until's events from background time `from` up to `until`: *ran of them, *t the last one's time
+ * (`from` if none). CHM_OK; CHM_E_INTERNAL: the rule said a flush is due at *t but granted none; CHM_E_NOMEM. */
+int chm_dev_run_until(struct chm_dev *d, double from, double until, uint64_t *ran, double *t);
+/* Flusher.quiet_until(now) (data off: no staging-read error, no media error). */
+double chm_dev_quiet_until(struct chm_dev *d, double now);
+/* Flusher.flush(now): when everything written is on the media; NaN: no memory. */
+double chm_dev_flush(struct chm_dev *d, double now);
+/* Flusher.write_back of `frame`'s dirty victim page at now: when it is written. */
+double chm_dev_write_back(struct chm_dev *d, uint32_t frame, uint64_t victim_page, double now);
+/* Controller.write(addr, None, len, now, whole=count_command) from its tick on. */
+int chm_dev_write(struct chm_dev *d, uint64_t addr, uint64_t len, double now, int count_command,
+                  struct chm_write_result *out);
+/* Controller.read(addr, len, now, None, whole=count_command) after its tick, for a device of one area.
+ * Returns the pages read, with out[0] its finish, hit, missed and merged pages in out[1..3]; < 0: a status
+ * (CHM_NO_FRAME: out[1] the page that found no frame; CHM_E_ARG: not a device of one area). */
+int64_t chm_dev_read(struct chm_dev *d, uint64_t addr, uint64_t len, double now, int count_command, double *out);
 
 /* ---- cdef end ---- */
 

@@ -27,7 +27,9 @@ class HymCachePolicy(Policy):
         super().__init__(cfg)
         self.write_area = self.add_area(Area(cfg.read_staging_frames, cfg.write_buffer_frames))
         self.admission = WriteAdmission(cfg.write_buffer_frames)
-        self._free_when_unpinned: set[int] = set()
+        # by frame: 1 for a flushed write-buffer frame a read holds, freed once unpinned (a bytearray the native
+        # flusher shares: emulator/flusher.py)
+        self._free_when_unpinned = bytearray(cfg.dram_frames)
         page = cfg.device.page_size_bytes
         self.arbiter = FlushArbiter(cfg.policy.flush_batch_bytes // page, cfg.policy.flush_max_reads_in_flight,
                                     cfg.policy.flush_max_delay_ns)
@@ -77,19 +79,19 @@ class HymCachePolicy(Policy):
         super().flushed(frame)
         if frame in self.write_area:
             if self.pins(frame):  # a read is copying out of it right now: free it when that ends
-                self._free_when_unpinned.add(frame)
+                self._free_when_unpinned[frame] = 1
             else:
                 self._free_write_frame(frame)
 
     def unpin(self, frame):
         super().unpin(frame)
-        if frame in self._free_when_unpinned and self.pins(frame) == 0:
-            self._free_when_unpinned.discard(frame)
+        if self._free_when_unpinned[frame] and self.pins(frame) == 0:
+            self._free_when_unpinned[frame] = 0
             self._free_write_frame(frame)
 
     def mark_dirty(self, frame):
         super().mark_dirty(frame)
-        self._free_when_unpinned.discard(frame)  # rewritten before it was freed: it stays
+        self._free_when_unpinned[frame] = 0  # rewritten before it was freed: it stays
 
     def _free_write_frame(self, frame):
         self.write_area.table.invalidate(frame - self.write_area.base)

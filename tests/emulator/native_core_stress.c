@@ -1,6 +1,7 @@
 /* Random calls of every function of the native core (emulator/native/chm_core.h), legal or not, with the
  * frame table's invariants (chm_ft_check) and the prefetch and admission counts checked after each call;
- * the SSD model and the sequential path with random operations, their heaps and settled state checked.
+ * the SSD model, the sequential path and the data-off operations (the native flusher) with random
+ * operations, their heaps, queues and settled state checked.
  * Built with -fsanitize=address,undefined by tests/emulator/test_native_core.py: an out-of-bounds access,
  * a leak or undefined behaviour fails it too. Prints "all invariants held" and exits 0, or names the failure.
  */
@@ -304,6 +305,202 @@ static void stress_sequential(const char *name, struct chm_policy_params policy,
     chm_ft_free(ft);
 }
 
+/* The flusher's state after a data-off call: the ring holds exactly the queued frames, the flights' pages
+ * add up, the heap is a heap, the tables hold. */
+static void check_flusher(const struct chm_flusher *fl, struct chm_ft *const *tables, int n_tables,
+                          const char *name, long step)
+{
+    uint64_t queued = 0, pages = 0;
+    for (uint32_t f = 0; f < fl->frames; f++)
+        queued += fl->queued[f];
+    if (queued != fl->n_dirty || fl->n_dirty > fl->frames)
+        FAIL("ops %s step %ld: %lu queued, %lu in the dirty ring", name, step, (unsigned long)queued,
+             (unsigned long)fl->n_dirty);
+    for (uint64_t i = 0; i < fl->n_dirty; i++) {
+        uint32_t frame;
+        double since;
+        chm_flusher_dirty_at(fl, i, &frame, &since);
+        if (frame >= fl->frames || !fl->queued[frame])
+            FAIL("ops %s step %ld: dirty entry %lu is frame %u, not queued", name, step, (unsigned long)i, frame);
+    }
+    for (uint64_t i = 0; i < fl->n_flights; i++) {
+        const struct chm_flight *f = &fl->flights[i], *parent = &fl->flights[(i - 1) / 2];
+        pages += f->pages;
+        if (i && (parent->finish > f->finish || (parent->finish == f->finish && parent->order > f->order)))
+            FAIL("ops %s step %ld: the flights are no heap", name, step);
+    }
+    if (pages != fl->flushing_pages)
+        FAIL("ops %s step %ld: %lu pages in flights, %lu counted", name, step, (unsigned long)pages,
+             (unsigned long)fl->flushing_pages);
+    for (int t = 0; t < n_tables; t++)
+        check_table(tables[t], name, step, CHM_OK);
+}
+
+/* The data-off operations (chm_dev_write, _read, _prefetch_fetch, _release_frames, _tick, _run_until, _flush,
+ * ...) at random virtual times over a device of one table (CachePolicy's flush rule) and over one split
+ * into a read area and a write buffer (hymcache's arbiter, admission, frames freed once unpinned). */
+static void stress_ops(const char *name, int split, uint32_t frames, long steps)
+{
+    enum { SSDS = 2, HELD = 6 };
+    const uint64_t page = 4096, capacity = 256 * page;
+    uint32_t wbuf = split ? frames / 4 : 0, reads = frames - wbuf;
+    struct chm_policy_params lru = {CHM_POLICY_LRU, 0, 0, 0, 0};
+    struct chm_ft *read_ft, *write_ft = NULL;
+    if (chm_ft_new(reads, reads, &lru, &read_ft) || (split && chm_ft_new(wbuf, wbuf, &lru, &write_ft)))
+        FAIL("ops %s: chm_ft_new failed", name);
+    struct chm_ssd *ssds[SSDS];
+    for (int i = 0; i < SSDS; i++)
+        if (chm_ssd_new(4, 20000.0, 40000.0, 2.0, 3.0, 1.5, &ssds[i]))
+            FAIL("ops: chm_ssd_new failed");
+    struct chm_pipe link_up = {600, 64, 0, 0, 0}, link_down = {600, 64, 0, 0, 0}, dram = {50, 100, 0, 0, 0};
+    struct chm_clocked controller = {1000, 0, 0};
+    static struct chm_histogram read_hist, write_hist;
+    chm_histogram_init(&read_hist);
+    chm_histogram_init(&write_hist);
+    struct chm_seq_counts counts = {0};
+    double *ready_at = calloc(frames, sizeof *ready_at);
+    int64_t *io_token = calloc(frames, sizeof *io_token), *write_seq = calloc(frames, sizeof *write_seq);
+    uint8_t *queued = calloc(frames, 1), *fwu = calloc(frames, 1);
+    struct chm_flusher *fl;
+    if (chm_flusher_new(frames, queued, &fl))
+        FAIL("ops %s: chm_flusher_new failed", name);
+    struct chm_admission admission = {wbuf, 0};
+    struct chm_pf *pf;
+    uint64_t window = reads > 2 ? reads / 2 : 1;
+    if (chm_pf_new(window, HELD, &pf))
+        FAIL("ops %s: chm_pf_new failed", name);
+    struct chm_dev d = {.page_size = page, .capacity = capacity, .cycles_per_command = 10, .cycles_per_lookup = 2,
+                        .ready_at = ready_at, .io_token = io_token, .controller = &controller, .dram_pipe = &dram,
+                        .link_to_host = &link_down, .read_latency = &read_hist, .cycles_per_admission = 3,
+                        .stripe_bytes = 2 * page, .n_ssds = SSDS, .chunk_pages = reads - window, .ssds = ssds,
+                        .link_to_device = &link_up, .write_latency = &write_hist, .write_seq = write_seq,
+                        .flusher = fl, .ops = &counts, .cycles_per_prefetch_page = 1};
+    struct chm_ft *tables[2] = {read_ft, write_ft};
+    if (split) {
+        d.n_areas = 2;
+        d.areas[0] = (struct chm_dev_area){write_ft, reads};
+        d.areas[1] = (struct chm_dev_area){read_ft, 0};
+        fl->rule = CHM_FLUSH_ARBITER;
+        fl->batch_pages = 3;
+        fl->max_reads_in_flight = rnd(2);
+        fl->max_delay_ns = 50000.0;
+        fl->pages_in_flight_limit = 3;
+        fl->write_area = d.areas[0];
+        fl->write_area_frames = wbuf;
+        fl->copy_area = d.areas[1];
+        fl->admission = &admission;
+        fl->free_when_unpinned = fwu;
+        fl->write_buffer_frames = wbuf;
+        fl->drops_staged_on_release = 1;
+    } else {
+        d.n_areas = 1;
+        d.areas[0] = (struct chm_dev_area){read_ft, 0};
+        fl->rule = CHM_FLUSH_AFTER_DELAY;
+        fl->writeback_delay_ns = 30000.0;
+        fl->write_area = d.areas[0];
+        fl->write_area_frames = reads;
+    }
+    uint32_t *held_frames[HELD] = {0};
+    uint64_t held_n[HELD] = {0};
+    int64_t next_handle = 1, handle_of[HELD] = {0};
+    double now = 0.0, t, out4[4];
+    uint64_t ran;
+    for (long i = 0; i < steps; i++) {
+        now += (double)rnd(4) * (double)rnd(40000);
+        uint64_t addr = rnd(capacity), len = 1 + rnd((split ? wbuf : frames) * page);
+        if (len > capacity - addr)
+            len = capacity - addr;
+        struct chm_write_result w;
+        struct chm_prefetch_result pr;
+        int rc = CHM_OK;
+        switch (rnd(9)) {
+        case 0: case 1:
+            rc = chm_dev_write(&d, addr, len, now, 1, &w);
+            if (rc == CHM_WRITE_REFUSED || rc == CHM_WRITE_TOO_BIG || rc == CHM_NO_FRAME)
+                rc = CHM_OK;
+            break;
+        case 2:  /* Controller.read: the tick, then (one area) the read */
+            rc = chm_dev_tick(&d, now, 0) < 0 ? CHM_E_NOMEM : CHM_OK;
+            if (!split && rc == CHM_OK) {
+                int64_t n = chm_dev_read(&d, addr, len, now, 1, out4);
+                if (n < 0 && n != CHM_NO_FRAME)
+                    rc = (int)n;
+                if (n > 0 && !(out4[0] >= now))
+                    FAIL("ops %s step %ld: a read finished before it began", name, i);
+            }
+            break;
+        case 3: {
+            int k = (int)rnd(HELD);
+            if (handle_of[k]) {  /* release it */
+                struct chm_pf_object obj;
+                chm_pf_release(pf, handle_of[k], &obj);
+                chm_dev_release_frames(&d, held_frames[k], held_n[k]);
+                free(held_frames[k]);
+                held_frames[k] = NULL;
+                handle_of[k] = 0;
+                break;
+            }
+            uint64_t pages = 1 + rnd(window);
+            uint64_t first = rnd(capacity / page - pages);
+            if (chm_pf_issue(pf, next_handle, first, pages) != CHM_OK)
+                break;
+            held_frames[k] = malloc(pages * sizeof **held_frames);
+            rc = chm_dev_prefetch_fetch(&d, pf, now, held_frames[k], &pr);
+            held_n[k] = pr.frames;
+            handle_of[k] = next_handle++;
+            if (rc == CHM_NO_FRAME)
+                rc = CHM_OK;
+            break;
+        }
+        case 4: case 5:
+            rc = chm_dev_run_until(&d, now - 50000.0, now, &ran, &t);
+            break;
+        case 6:
+            if (chm_dev_next_event(&d, now, &t) && !(t >= now))
+                FAIL("ops %s step %ld: an event before now", name, i);
+            if (!(chm_dev_quiet_until(&d, now) >= now) && fl->n_flights == 0)
+                FAIL("ops %s step %ld: quiet before now", name, i);
+            break;
+        case 7:
+            if (!(chm_dev_complete_flights(&d, now) <= now) || (fl->n_flights && !(fl->flights[0].finish > now)))
+                FAIL("ops %s step %ld: a flight retired before it landed, or one left that landed", name, i);
+            break;
+        default:
+            if (rnd(4) == 0 && !(chm_dev_flush(&d, now) >= now))
+                FAIL("ops %s step %ld: a flush before now", name, i);
+        }
+        if (rc < 0)
+            FAIL("ops %s step %ld: status %d", name, i, rc);
+        check_flusher(fl, tables, split ? 2 : 1, name, i);
+    }
+    for (int k = 0; k < HELD; k++) {
+        if (handle_of[k]) {
+            struct chm_pf_object obj;
+            chm_pf_release(pf, handle_of[k], &obj);
+            chm_dev_release_frames(&d, held_frames[k], held_n[k]);
+        }
+        free(held_frames[k]);
+    }
+    chm_dev_flush(&d, now);
+    check_flusher(fl, tables, split ? 2 : 1, name, steps);
+    if (fl->n_dirty || fl->n_flights || admission.used_pages)
+        FAIL("ops %s: %lu dirty, %lu flights, %lu write-buffer pages left after the last flush", name,
+             (unsigned long)fl->n_dirty, (unsigned long)fl->n_flights, (unsigned long)admission.used_pages);
+    if (chm_ft_pinned_ways(read_ft, 0) || (split && chm_ft_pinned_ways(write_ft, 0)))
+        FAIL("ops %s: frames left pinned", name);
+    chm_flusher_free(fl);
+    chm_pf_free(pf);
+    for (int i = 0; i < SSDS; i++)
+        chm_ssd_free(ssds[i]);
+    free(ready_at);
+    free(io_token);
+    free(write_seq);
+    free(queued);
+    free(fwu);
+    chm_ft_free(read_ft);
+    chm_ft_free(write_ft);
+}
+
 int main(void)
 {
     static const struct { const char *name; struct chm_policy_params policy; } policies[] = {
@@ -341,6 +538,10 @@ int main(void)
         if (policies[p].policy.kind != CHM_POLICY_S3FIFO)
             stress_sequential(policies[p].name, policies[p].policy, 3, 1000);
     }
+    stress_ops("cache", 0, 24, 20000);
+    stress_ops("cache-small", 0, 4, 5000);
+    stress_ops("split", 1, 24, 20000);
+    stress_ops("split-small", 1, 8, 5000);
     struct chm_dev no_area = {.n_areas = 0};
     struct chm_seq_result out;
     if (chm_dev_run_sequential(&no_area, NULL, NULL, NULL, 0, 0.0, &out) != CHM_E_ARG || out.done)
