@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Callable
 
 from .native import ffi, lib
-from .timing import earliest_time
 
 
 class WriteAdmission:
@@ -56,17 +55,8 @@ class FlushArbiter:
         batch goes only while reads are idle, and only once it is full or its
         oldest page has waited ``max_delay_ns``.
         """
-        if dirty_pages == 0:
-            return 0
-        if force:
-            return min(dirty_pages, self.batch_pages)
-        if reads_in_flight > self.max_reads_in_flight:
-            return 0
-        if dirty_pages >= self.batch_pages:
-            return self.batch_pages
-        if oldest_age_ns >= self.max_delay_ns:
-            return dirty_pages
-        return 0
+        return lib.chm_arbiter_grant(self.batch_pages, self.max_reads_in_flight, self.max_delay_ns, dirty_pages,
+                                     reads_in_flight, oldest_age_ns, force)
 
     def next_grant_at(self, dirty_pages: int, oldest_written_ns: float, batch_full_ns: float | None, now: float,
                       reads_idle_at: Callable[[int], float]) -> float | None:
@@ -78,9 +68,6 @@ class FlushArbiter:
         waited ``max_delay_ns`` (its age at ``t`` is ``t - oldest_written_ns``, as ``grant`` is given it)."""
         if dirty_pages == 0:
             return None
-        if dirty_pages >= self.batch_pages:
-            ready = batch_full_ns
-        else:
-            ready = earliest_time(oldest_written_ns + self.max_delay_ns,
-                                  lambda t: t - oldest_written_ns >= self.max_delay_ns)
+        ready = lib.chm_arbiter_ready_at(self.batch_pages, self.max_delay_ns, dirty_pages, oldest_written_ns,
+                                         0.0 if batch_full_ns is None else batch_full_ns)
         return max(now, ready, reads_idle_at(self.max_reads_in_flight))

@@ -1785,6 +1785,36 @@ static double earliest_time(double guess, int (*due)(double, double, double), do
     return guess;
 }
 
+/* The flush rules (chm_core.h); the native flusher and the Python policies both call these. */
+double chm_delay_due_at(double oldest_written_ns, double delay_ns)
+{
+    return earliest_time(oldest_written_ns + delay_ns, due_after_delay, oldest_written_ns, delay_ns);
+}
+
+uint64_t chm_arbiter_grant(uint64_t batch_pages, uint64_t max_reads_in_flight, double max_delay_ns,
+                           uint64_t dirty_pages, uint64_t reads_in_flight, double oldest_age_ns, int force)
+{
+    if (dirty_pages == 0)
+        return 0;
+    if (force)
+        return dirty_pages < batch_pages ? dirty_pages : batch_pages;
+    if (reads_in_flight > max_reads_in_flight)
+        return 0;
+    if (dirty_pages >= batch_pages)
+        return batch_pages;
+    if (oldest_age_ns >= max_delay_ns)
+        return dirty_pages;
+    return 0;
+}
+
+double chm_arbiter_ready_at(uint64_t batch_pages, double max_delay_ns, uint64_t dirty_pages, double oldest_written_ns,
+                            double batch_full_ns)
+{
+    if (dirty_pages >= batch_pages)
+        return batch_full_ns;
+    return earliest_time(oldest_written_ns + max_delay_ns, due_by_age, oldest_written_ns, max_delay_ns);
+}
+
 /* -- the dirty queue -- */
 
 static uint64_t ring_at(const struct chm_flusher *fl, uint64_t i)
@@ -1982,15 +2012,11 @@ static int next_flush_at(const struct chm_dev *d, const struct chm_flusher *fl, 
         return 0;
     double oldest = fl->dirty_since[fl->dirty_head];
     if (fl->rule == CHM_FLUSH_AFTER_DELAY) {
-        double delay = fl->writeback_delay_ns;
-        *at = py_max(now, earliest_time(oldest + delay, due_after_delay, oldest, delay));
+        *at = py_max(now, chm_delay_due_at(oldest, fl->writeback_delay_ns));
         return 1;
     }
-    double ready;  /* FlushArbiter.next_grant_at */
-    if (fl->n_dirty >= fl->batch_pages)
-        ready = fl->dirty_since[ring_at(fl, fl->batch_pages - 1)];
-    else
-        ready = earliest_time(oldest + fl->max_delay_ns, due_by_age, oldest, fl->max_delay_ns);
+    double batch_full = fl->n_dirty >= fl->batch_pages ? fl->dirty_since[ring_at(fl, fl->batch_pages - 1)] : 0.0;
+    double ready = chm_arbiter_ready_at(fl->batch_pages, fl->max_delay_ns, fl->n_dirty, oldest, batch_full);
     *at = py_max(py_max(now, ready), reads_idle_at(d, now, fl->max_reads_in_flight));
     return 1;
 }
@@ -2007,18 +2033,9 @@ static uint64_t flush_grant(const struct chm_flusher *fl, double now, uint64_t r
             n++;
         return n;
     }
-    double oldest_age = fl->n_dirty ? now - fl->dirty_since[fl->dirty_head] : 0.0;  /* FlushArbiter.grant */
-    if (fl->n_dirty == 0)
-        return 0;
-    if (force)
-        return fl->n_dirty < fl->batch_pages ? fl->n_dirty : fl->batch_pages;
-    if (reads > fl->max_reads_in_flight)
-        return 0;
-    if (fl->n_dirty >= fl->batch_pages)
-        return fl->batch_pages;
-    if (oldest_age >= fl->max_delay_ns)
-        return fl->n_dirty;
-    return 0;
+    double oldest_age = fl->n_dirty ? now - fl->dirty_since[fl->dirty_head] : 0.0;
+    return chm_arbiter_grant(fl->batch_pages, fl->max_reads_in_flight, fl->max_delay_ns, fl->n_dirty, reads,
+                             oldest_age, force);
 }
 
 static int seq_by_page(const void *a, const void *b)

@@ -345,6 +345,19 @@ void chm_flusher_free(struct chm_flusher *fl);
 /* The dirty queue's i-th entry (oldest first). */
 void chm_flusher_dirty_at(const struct chm_flusher *fl, uint64_t i, uint32_t *frame, double *since);
 
+/* The flush rules, one definition for the native flusher and the Python policies (policies/base.py
+ * CachePolicy, write_buffer.py FlushArbiter). chm_delay_due_at: the first time t (a float) with
+ * oldest_written_ns <= t - delay_ns (lru's write-back delay). chm_arbiter_grant: how many dirty pages the
+ * arbiter flushes now (force: drain a batch regardless of reads; else only while reads_in_flight <=
+ * max_reads_in_flight, once a batch is full or the oldest page is max_delay_ns old). chm_arbiter_ready_at:
+ * when it would grant, reads aside: batch_full_ns (the batch's last page's write) if the batch is full, else
+ * the first t with t - oldest_written_ns >= max_delay_ns. */
+double   chm_delay_due_at(double oldest_written_ns, double delay_ns);
+uint64_t chm_arbiter_grant(uint64_t batch_pages, uint64_t max_reads_in_flight, double max_delay_ns,
+                           uint64_t dirty_pages, uint64_t reads_in_flight, double oldest_age_ns, int force);
+double   chm_arbiter_ready_at(uint64_t batch_pages, double max_delay_ns, uint64_t dirty_pages,
+                              double oldest_written_ns, double batch_full_ns);
+
 struct chm_dev {
     uint64_t page_size;
     uint64_t capacity;

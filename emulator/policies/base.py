@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from ..config import Config, Field
 from ..frame_table import EvictionPolicy, FrameTable, Inserted, LruOrder
-from ..timing import earliest_time
+from ..native import lib
 
 
 class Area:
@@ -259,6 +259,6 @@ class CachePolicy(Policy):
     def next_flush_at(self, dirty, now, reads_idle_at):
         if not dirty:
             return None
-        delay, oldest = self.cfg.policy.lru_writeback_delay_ns, dirty[0][1]
-        # flush_grant's own test, so the deadline is the first time it passes despite float rounding
-        return max(now, earliest_time(oldest + delay, lambda t: oldest <= t - delay))
+        # flush_grant's own test (oldest <= t - delay), so the deadline is the first time it passes despite float
+        # rounding; the native core's definition, which its flusher uses too
+        return max(now, lib.chm_delay_due_at(dirty[0][1], self.cfg.policy.lru_writeback_delay_ns))
