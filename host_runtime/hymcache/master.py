@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import errno
 import fcntl
+import heapq
 import itertools
 import math
 import os
@@ -338,6 +339,10 @@ class Master:
         self._index: dict[bytes, int] = {}    # key -> row, PENDING and COMPLETE blocks
         self._pending: OrderedDict[int, None] = OrderedDict()  # PENDING rows in put_start (= deadline) order
         self._draining: dict[tuple[int, int, int], int] = {}    # (node, device, offset) -> DRAINING row
+        # (its free time when it began draining, row, extent), a min-heap: _expire frees them in that order
+        # without looking at the others (a DRAINING row's lease_until never changes but for _rebase's shift of
+        # every row, which keeps the order); an entry whose extent left _draining meanwhile is skipped
+        self._drain_heap: list[tuple[int, int, tuple[int, int, int]]] = []
         self._nodes: dict[int, dict] = {}     # node -> {"endpoint", "devices": {index: _Device}, "next_device"}
         self._next_node = 0                   # round-robin cursor
         self._lru_next = 1
@@ -405,6 +410,12 @@ class Master:
         for entry in self._nodes.values():
             yield from entry["devices"].values()
 
+    def _add_draining(self, row: int) -> None:
+        r = self._table[row]
+        extent = (int(r["node"]), int(r["device"]), int(r["offset"]))
+        self._draining[extent] = row
+        heapq.heappush(self._drain_heap, (int(r["lease_until"]), row, extent))
+
     def _free_extent(self, row: int) -> None:
         r = self._table[row]
         self._device(int(r["node"]), int(r["device"])).free(int(r["offset"]), int(r["length"]))
@@ -423,8 +434,7 @@ class Master:
         self._log(_DropRec(key, not leased))
         if leased:
             self._table["state"][row] = DRAINING
-            r = self._table[row]
-            self._draining[(int(r["node"]), int(r["device"]), int(r["offset"]))] = row
+            self._add_draining(row)
         else:
             self._free_extent(row)
             self._release_row(row)
@@ -715,13 +725,19 @@ class Master:
             # it can be handed out again, so a late write lands on no other request's block.
             self._drop(t["key"][row].tobytes(), now, hold_until_ms=now + self._put_timeout_ms)
             self.counters["revoked_blocks"] += 1
-        if self._draining:
-            for extent, row in list(self._draining.items()):
-                if t["lease_until"][row] <= now:
-                    del self._draining[extent]
-                    self._log(_FreeRec(*extent))
-                    self._free_extent(row)
-                    self._release_row(row)
+        heap, draining = self._drain_heap, self._draining
+        while heap:
+            _, row, extent = heap[0]
+            if draining.get(extent) != row:
+                heapq.heappop(heap)  # freed or forgotten meanwhile (its row may hold another block now)
+            elif t["lease_until"][row] <= now:
+                heapq.heappop(heap)
+                del draining[extent]
+                self._log(_FreeRec(*extent))
+                self._free_extent(row)
+                self._release_row(row)
+            else:
+                break
         for dev in self._all_devices():
             if dev.used > self.high_watermark * dev.capacity and dev.evict_retry_ms <= now:
                 self._evict_over_watermark(dev, now)
@@ -868,6 +884,7 @@ class Master:
             self._free_extent(row)
             self._release_row(row)
         self._draining.clear()
+        self._drain_heap.clear()
         for column in ("lease_until", "lease_cap", "put_deadline"):
             self._table[column] = 0
         self._journal_gen = gen
@@ -905,7 +922,7 @@ class Master:
         for row in range(len(rows)):
             state = int(rows["state"][row])
             if state == DRAINING:
-                self._draining[(int(rows["node"][row]), int(rows["device"][row]), int(rows["offset"][row]))] = row
+                self._add_draining(row)
             else:
                 self._index[rows["key"][row].tobytes()] = row
                 if state == PENDING:

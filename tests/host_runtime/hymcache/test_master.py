@@ -289,6 +289,28 @@ def test_a_block_removed_while_leased_keeps_its_space_until_the_lease_ends():
     assert store(m, [21])[0].offset == 300
 
 
+def test_draining_blocks_are_freed_in_lease_order_past_a_forgotten_one_whose_row_came_back():
+    clock = ManualClock()
+    m = make(clock, nodes=2, capacity=1000, high_watermark=1.0, low_watermark=1.0)
+    on0 = m.put_start("a", [key(0)], [100])[0]
+    on1 = m.put_start("b", [key(1), key(2)], [100, 100])
+    assert (on0.node, {loc.node for loc in on1}) == (0, {1})
+    m.put_end([key(0), key(1), key(2)], [1, 1, 1])
+    m.lookup([key(0)])                       # t=0: leased until 10 s
+    m.remove([key(0)])                       # draining on node 0
+    clock.advance(5)
+    m.lookup([key(1)])                       # t=5: leased until 15 s
+    m.remove([key(1)])                       # draining on node 1, behind node 0's in the free order
+    # node 0's device comes back with another epoch: its draining block is forgotten, its row reused
+    m.register_node(0, "tcp://node0", [DeviceInfo(0, "/dev/shm/n0d0", 1000, 8)])
+    m.put_start("c", [key(3)], [100])          # may take the forgotten row; its put deadline is 35 s
+    m.lookup([key(2)])
+    assert device_space(m, node=1)["used_bytes"] == 200
+    clock.advance(10.5)                      # t=15.5: node 1's block's lease is over
+    m.expire()
+    assert device_space(m, node=1)["used_bytes"] == 100
+
+
 # ---------------------------------------------------------------- placement and nodes
 
 def test_round_robin_places_each_request_on_one_node_and_device():
