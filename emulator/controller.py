@@ -82,6 +82,16 @@ _read_hit = lib.chm_dev_read_hit
 _tuple_new = tuple.__new__  # an outcome made without NamedTuple.__new__'s Python frame: the hot path makes one per call
 
 
+def _fold_counts(stats: dict, counts: memoryview, names: tuple, zero: memoryview) -> None:
+    """Add native counters (``counts``, in the order of ``names``) to ``stats`` and zero them."""
+    values = counts.tolist()
+    if any(values):
+        for name, n in zip(names, values):
+            if n:
+                stats[name] += n
+        counts[:] = zero
+
+
 def _log_to_stderr(message: str) -> None:
     print(f"chm: {message}", file=sys.stderr, flush=True)
 
@@ -378,21 +388,8 @@ class Controller:
     def _fold_ops(self) -> None:
         """Add what the native hit read and data-off path counted to ``stats`` (after each call: a caller may
         hold ``stats``)."""
-        stats = self._stats
-        counts = self._native_counts
-        values = counts.tolist()
-        if any(values):
-            for name, n in zip(NATIVE_READ_COUNTS, values):
-                if n:
-                    stats[name] += n
-            counts[:] = _ZERO_COUNTS
-        counts = self._ops_counts
-        values = counts.tolist()
-        if any(values):
-            for name, n in zip(NATIVE_SEQ_COUNTS, values):
-                if n:
-                    stats[name] += n
-            counts[:] = _ZERO_SEQ_COUNTS
+        _fold_counts(self._stats, self._native_counts, NATIVE_READ_COUNTS, _ZERO_COUNTS)
+        _fold_counts(self._stats, self._ops_counts, NATIVE_SEQ_COUNTS, _ZERO_SEQ_COUNTS)
 
     # ---- helpers ---------------------------------------------------------------
     def _cycles(self, ready: float, cycles: int) -> float:
@@ -606,11 +603,7 @@ class Controller:
 
     def fold_native_counts(self) -> None:
         """Add what native hit reads counted to ``stats``."""
-        counts, stats = self._native_counts, self._stats
-        for name, n in zip(NATIVE_READ_COUNTS, counts.tolist()):
-            if n:
-                stats[name] += n
-        counts[:] = _ZERO_COUNTS
+        _fold_counts(self._stats, self._native_counts, NATIVE_READ_COUNTS, _ZERO_COUNTS)
 
     def count_command(self, kind: str, latency_ns: float) -> None:
         """One host command (``read`` or ``write``) done: its count and its latency sample."""
@@ -853,7 +846,7 @@ class Controller:
 
     def wait(self, handle: int, now: float, timeout_ns: float | None = None) -> float:
         """Until the object is staged; returns when the host learns it (virtual time)."""
-        obj = self.engine.get(handle)
+        self.engine.get(handle)  # an unknown handle raises here
         staged = self.staged[handle]
         if timeout_ns is not None and staged.ready_at > now + timeout_ns:
             raise ChmError(errno.ETIMEDOUT, f"prefetch handle {handle} not staged within {timeout_ns / 1e6:g} ms "
