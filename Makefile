@@ -15,7 +15,7 @@ help:
 	@echo "make test   - run the whole test suite (installs what is missing)"
 	@echo "make rtl-test - only the RTL benches (cocotb + Icarus; SIM=verilator for Verilator)"
 	@echo "make bench  - benchmarks, side by side with their physical limits / peers"
-	@echo "make repro  - reproduce the HyMCache device results by trace replay (paper scale, tens of minutes)"
+	@echo "make repro  - reproduce the HyMCache device results by trace replay (paper scale, a few minutes)"
 
 # Debian packages, only when one is missing (apt-get update at most once).
 .apt-stamp:
