@@ -327,6 +327,22 @@ class DecodeWorker(_Sleeper):
                     r.done.succeed(r)
 
 
+def _serve(env: Env, workers: list, turn, tokens_per_block: int, max_tokens: int, decode_tokens: int, on_done):
+    """One request of ``turn`` on its worker until it is answered, then ``on_done``: the clients' one way to
+    submit. A turn with its own answer length (``Turn.output_tokens``, a trace's) decodes that many tokens: on the
+    decode worker in PD (in place of ``decode_tokens``), else in place of ``max_tokens``."""
+    answer = turn.output_tokens
+    if answer is not None:
+        if decode_tokens:
+            decode_tokens = answer
+        else:
+            max_tokens = answer
+    req = Request(turn, tokens_per_block, max_tokens, env.event(), decode_tokens)
+    workers[req.worker % len(workers)].submit(req)
+    yield req.done
+    on_done(req)
+
+
 def client(env: Env, turns, workers, *, concurrency: int, tokens_per_block: int, max_tokens: int,
            on_turn_start, on_done, decode_tokens: int = 0):
     """Turn by turn, a barrier between turns; each turn's requests in order, ``concurrency`` in flight.
@@ -341,10 +357,7 @@ def client(env: Env, turns, workers, *, concurrency: int, tokens_per_block: int,
 
         def slot():
             while queue:
-                req = Request(queue.popleft(), tokens_per_block, max_tokens, env.event(), decode_tokens)
-                workers[req.worker % len(workers)].submit(req)
-                yield req.done
-                on_done(req)
+                yield from _serve(env, workers, queue.popleft(), tokens_per_block, max_tokens, decode_tokens, on_done)
 
         slots = [env.process(slot()) for _ in range(min(concurrency, len(batch)))]
         for s in slots:
@@ -376,10 +389,7 @@ def session_client(env: Env, turns, workers, *, concurrency: int, tokens_per_blo
                 if turn.turn not in started:
                     started.add(turn.turn)
                     on_turn_start(turn.turn, env.now)
-                req = Request(turn, tokens_per_block, max_tokens, env.event(), decode_tokens)
-                workers[req.worker % len(workers)].submit(req)
-                yield req.done
-                on_done(req)
+                yield from _serve(env, workers, turn, tokens_per_block, max_tokens, decode_tokens, on_done)
 
     sessions = [env.process(session()) for _ in range(min(concurrency, len(queue)))]
     for s in sessions:
@@ -396,18 +406,6 @@ def open_client(env: Env, turns, workers, *, tokens_per_block: int, max_tokens: 
         workers = [workers]
     pending = []
 
-    def one(turn):
-        answer = turn.output_tokens  # the trace's own answer length, where it has one: decoded where decoding is
-        if answer is None:
-            req = Request(turn, tokens_per_block, max_tokens, env.event(), decode_tokens)
-        elif decode_tokens:  # PD: the prefill worker computes the prompt, the decode worker the answer
-            req = Request(turn, tokens_per_block, max_tokens, env.event(), answer)
-        else:
-            req = Request(turn, tokens_per_block, answer, env.event(), decode_tokens)
-        workers[req.worker % len(workers)].submit(req)
-        yield req.done
-        on_done(req)
-
     for w, batch in enumerate(turns, 1):
         start = (w - 1) * window_ns
         if start > env.now:
@@ -416,6 +414,7 @@ def open_client(env: Env, turns, workers, *, tokens_per_block: int, max_tokens: 
         for turn in batch:
             if turn.arrival_ns > env.now:
                 yield turn.arrival_ns
-            pending.append(env.process(one(turn)))
+            pending.append(env.process(_serve(env, workers, turn, tokens_per_block, max_tokens, decode_tokens,
+                                              on_done)))
     for p in pending:
         yield p.done
