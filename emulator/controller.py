@@ -344,7 +344,7 @@ class Controller:
         dev.n_ssds, dev.chunk_pages = len(timing.ssds), self.chunk_pages
         dev.link_to_device, dev.write_latency = timing.link_to_device._c, timing.latencies.histogram("write")._c
         self._seq_result = ffi.new("struct chm_seq_result *")
-        self._seq_counts = ffi.addressof(self._seq_result, "counts")
+        self._seq_counts = memoryview(ffi.buffer(ffi.addressof(self._seq_result, "counts"))).cast("Q")
         areas = self.policy.native_lookup_areas() or []
         for i, area in enumerate(areas):
             dev.areas[i].table, dev.areas[i].base = area.table._c, area.base
@@ -368,14 +368,20 @@ class Controller:
             self.flusher.go_native(self.native_dev, self._fold_ops)
             self._native_staging = self.native_dev.n_areas == 1
 
-    def native_ops_problem(self) -> str | None:
-        """Why the data-off operations cannot run natively on this device (None: they can)."""
+    def _native_parts_problem(self) -> str | None:
+        """Why no native data-off path can run on this device whatever the policy (None: one can)."""
         if self.data:
             return "emulation.data is on"
-        if not self.native_read:
-            return f"policy {self.policy.name!r} looks pages up in Python"
         if type(self.flusher) is not Flusher or type(self.timing) is not TimingModel or self.media.backend is not None:
             return "the flusher, the timing model or the media are not the built-in ones"
+        return None
+
+    def native_ops_problem(self) -> str | None:
+        """Why the data-off operations cannot run natively on this device (None: they can)."""
+        if (problem := self._native_parts_problem()) is not None:
+            return problem
+        if not self.native_read:
+            return f"policy {self.policy.name!r} looks pages up in Python"
         from .policies.base import Policy
 
         if not ((_policy_runs_sequentially(self.policy) and type(self.policy).released is Policy.released)
@@ -568,18 +574,15 @@ class Controller:
     def native_sequential_problem(self) -> str | None:
         """Why ``run_sequential`` cannot use the native path on this device at all (None: it can, whenever
         the device is settled)."""
-        if self.data:
-            return "emulation.data is on"
+        if (problem := self._native_parts_problem()) is not None:
+            return problem
         if not self.native_read or not _policy_runs_sequentially(self.policy):
             return f"policy {self.policy.name!r} is not a built-in frame-table cache without a write buffer"
         if type(self).read is not Controller.read or type(self).write is not Controller.write \
                 or {"read", "write"} & vars(self).keys():
             return "read or write is not the controller's own"
-        flusher = self.flusher
-        if type(flusher) is not Flusher or self.flush != flusher.flush or self.tick != flusher.tick:
+        if self.flush != self.flusher.flush or self.tick != self.flusher.tick:
             return "flush or tick is not the flusher's own"
-        if type(self.timing) is not TimingModel or self.media.backend is not None:
-            return "the timing model or the media are not the built-in ones"
         return None
 
     def _settled(self) -> bool:
@@ -593,11 +596,7 @@ class Controller:
     def _fold_sequential(self, result) -> None:
         """Add what a native sequential run counted to ``stats`` and the flusher."""
         self.fold_native_counts()
-        counts, stats = self._seq_counts, self._stats
-        for name in NATIVE_SEQ_COUNTS:
-            n = getattr(counts, name)
-            if n:
-                stats[name] += n
+        _fold_counts(self._stats, self._seq_counts, NATIVE_SEQ_COUNTS, _ZERO_SEQ_COUNTS)
         if self.flusher._dev is None:  # else the native flusher counted them
             self.flusher._flight_order += result.flush_writes
 
