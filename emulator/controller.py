@@ -92,6 +92,20 @@ def _fold_counts(stats: dict, counts: memoryview, names: tuple, zero: memoryview
         counts[:] = zero
 
 
+def _all_pinned(what: str, page: int) -> ChmError:
+    return ChmError(errno.EBUSY, f"no DRAM frame can be evicted to {what} page {page}: all are pinned")
+
+
+def _write_too_big(addr: int, length: int, new_pages: int, buffer_pages: int) -> ChmError:
+    return ChmError(errno.EINVAL, f"write of {length} bytes at {addr} spans {new_pages} pages, more than the whole "
+                                  f"write buffer ({buffer_pages} pages): split it")
+
+
+def _write_refused(addr: int, length: int, new_pages: int) -> WriteBufferFull:
+    return WriteBufferFull(f"write of {length} bytes at {addr} needs {new_pages} write-buffer pages; the buffer has "
+                           f"no room until a flush completes", new_pages=new_pages)
+
+
 def _log_to_stderr(message: str) -> None:
     print(f"chm: {message}", file=sys.stderr, flush=True)
 
@@ -422,7 +436,7 @@ class Controller:
             now = max(now, self.flusher.complete_flights(float("inf")))
             ins = allocate(page)
             if ins is None:
-                raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to {what} page {page}: all are pinned")
+                raise _all_pinned(what, page)
         return ins, now
 
     def _take_frame(self, ins, now: float) -> float:
@@ -475,8 +489,7 @@ class Controller:
                 if n > 0:
                     return _tuple_new(ReadOutcome, (res[0], int(res[1]), int(res[2]), int(res[3])))
                 if n == lib.CHM_NO_FRAME:
-                    raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to stage page {int(res[1])}: "
-                                                f"all are pinned")
+                    raise _all_pinned("stage", int(res[1]))
                 if n == lib.CHM_E_NOMEM:
                     raise MemoryError(f"read of {length} bytes at {addr}: no memory for the native path's state")
                 raise RuntimeError(f"read of {length} bytes at {addr}: native status {n}")
@@ -701,13 +714,11 @@ class Controller:
         pages = self._pages(addr, length)
         new_pages = sum(1 for p in pages if self.policy.write_lookup(p) is None)
         if new_pages > self.cfg.write_buffer_frames > 0:
-            raise ChmError(errno.EINVAL, f"write of {length} bytes at {addr} spans {new_pages} pages, more than the whole "
-                                         f"write buffer ({self.cfg.write_buffer_frames} pages): split it")
+            raise _write_too_big(addr, length, new_pages, self.cfg.write_buffer_frames)
         if not self.policy.admit_writes(new_pages):
             self.stats["refused_writes"] += 1
             self.stats["refused_write_bytes"] += length
-            raise WriteBufferFull(f"write of {length} bytes at {addr} needs {new_pages} write-buffer pages; "
-                                  f"the buffer has no room until a flush completes", new_pages=new_pages)
+            raise _write_refused(addr, length, new_pages)
         self.stats["write_bytes"] += length
         arrived = self.timing.link_to_device.transfer(now, length)  # a refused write moves no payload
         t = self._cycles(arrived, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_admission)
@@ -724,13 +735,11 @@ class Controller:
     def _native_write_failed(self, rc: int, res, addr: int, length: int):
         """Raise what ``write`` raises where ``chm_dev_write`` stopped with status ``rc``."""
         if rc == lib.CHM_WRITE_TOO_BIG:
-            raise ChmError(errno.EINVAL, f"write of {length} bytes at {addr} spans {res.new_pages} pages, more than "
-                                         f"the whole write buffer ({self.cfg.write_buffer_frames} pages): split it")
+            raise _write_too_big(addr, length, res.new_pages, self.cfg.write_buffer_frames)
         if rc == lib.CHM_WRITE_REFUSED:
-            raise WriteBufferFull(f"write of {length} bytes at {addr} needs {res.new_pages} write-buffer pages; "
-                                  f"the buffer has no room until a flush completes", new_pages=res.new_pages)
+            raise _write_refused(addr, length, res.new_pages)
         if rc == lib.CHM_NO_FRAME:
-            raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to write page {res.page}: all are pinned")
+            raise _all_pinned("write", res.page)
         if rc == lib.CHM_E_NOMEM:
             raise MemoryError(f"write of {length} bytes at {addr}: no memory for the native path's state")
         raise RuntimeError(f"write of {length} bytes at {addr}: native status {rc}")
@@ -810,8 +819,7 @@ class Controller:
             self.stats["prefetch_resident_pages"] += resident
             if rc:
                 if rc == lib.CHM_NO_FRAME:
-                    raise ChmError(errno.EBUSY, f"no DRAM frame can be evicted to stage page {res.page}: "
-                                                f"all are pinned")
+                    raise _all_pinned("stage", res.page)
                 raise MemoryError(f"prefetch of {size} bytes at {addr}: no memory for the native path's state")
             self.staged[handle] = Staged(ffi.unpack(buf, res.frames), res.ready_at)
             return _tuple_new(PrefetchOutcome, (handle, res.t + self.cfg.host_link.latency_ns, staged, resident,
