@@ -378,23 +378,31 @@ class KVManager:
     def _speculate(self, req: _Request, locs: list[BlockLoc]) -> None:
         """Stage the hint's own descriptors of this node's blocks now, unconfirmed (see ``hint``)."""
         for loc in locs:
-            if loc.node != self.node or not 0 <= loc.device < len(self.handles) or loc.key in req.by_key:
+            if not self._here(loc) or loc.key in req.by_key:
                 continue
             if loc.offset < 0 or loc.length <= 0 or loc.offset + loc.length > self.infos[loc.device].capacity_bytes:
                 continue  # no place on that device: only the Master's answer counts
-            if not req.blocks:  # the window in blocks follows the request's block size
-                req.window = window_blocks(self.window_bytes, loc.length)
-            block = _Block(loc, self.infos[loc.device].epoch, confirmed=False)
-            req.blocks.append(block)
-            req.by_key[loc.key] = block
+            self._append(req, loc, confirmed=False)
             self.counters["hint_locs_used"] += 1
         self._issue(req)
+
+    def _here(self, loc: BlockLoc) -> bool:
+        """The block is on one of this node's devices."""
+        return loc.node == self.node and 0 <= loc.device < len(self.handles)
+
+    def _append(self, req: _Request, loc: BlockLoc, confirmed: bool = True) -> None:
+        """``loc``'s block is the request's next to stage."""
+        if not req.blocks:  # the window in blocks follows the request's block size
+            req.window = window_blocks(self.window_bytes, loc.length)
+        block = _Block(loc, self.infos[loc.device].epoch, confirmed)
+        req.blocks.append(block)
+        req.by_key[loc.key] = block
 
     def _as_confirmed(self, req: _Request, confirmed: list[BlockLoc]) -> bool:
         """``req``'s blocks are exactly this node's part of the Master's answer, in its order, each confirmed."""
         local, seen = [], set()
         for loc in confirmed:
-            if loc.node == self.node and 0 <= loc.device < len(self.handles) and loc.key not in seen:
+            if self._here(loc) and loc.key not in seen:
                 seen.add(loc.key)
                 local.append(loc)
         return all(block.confirmed for block in req.blocks) and [block.loc for block in req.blocks] == local
@@ -415,7 +423,7 @@ class KVManager:
         for loc in found:
             loc = loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc)
             self.counters["hint_hits"] += 1
-            if loc.node != self.node or not 0 <= loc.device < len(self.handles):
+            if not self._here(loc):
                 self.counters["hint_other_node"] += 1  # another node's Manager stages it (Lookup hints it too)
                 continue
             known = req.by_key.get(loc.key)
@@ -423,11 +431,7 @@ class KVManager:
                 if not known.confirmed and known.loc == loc and known.epoch == self.infos[loc.device].epoch:
                     known.confirmed = True  # the hint's descriptor is the Master's: its staging stands
                 continue  # (one the Master does not confirm stays unconfirmed: hint() starts over)
-            if not req.blocks:  # the window in blocks follows the request's block size
-                req.window = window_blocks(self.window_bytes, loc.length)
-            block = _Block(loc, self.infos[loc.device].epoch)
-            req.blocks.append(block)
-            req.by_key[loc.key] = block
+            self._append(req, loc)
 
     # ---- the window ----------------------------------------------------------------
     def _issue(self, req: _Request, busy: set | None = None) -> None:
