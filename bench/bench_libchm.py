@@ -5,7 +5,8 @@
     the two taking turns in rounds (medians of the rounds);
 (b) 16 MiB DRAM-hit read throughput through libchm, copy path and zero-copy
     path, next to single-thread memcpy of the same size (the three taking
-    turns; medians of the repetitions), with 64 KiB and with 2 MiB pages;
+    turns; medians of the repetitions), with 64 KiB and with 2 MiB pages,
+    the two devices' runs interleaved (shares: medians of 5 runs);
 (c) CPU used by an idle ``chm serve``.
 
 Goals (issue 11, the native hit path): p50 <= 5x the floor; zero-copy >= 90 %
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,15 +65,27 @@ class _Serve:
         self.proc.communicate(timeout=120)
 
 
+def _median_run(results: list[dict]) -> dict:
+    """Each contender's median over the runs, as a share of the same run's memcpy; ``data_ok`` of all."""
+    out = {"memcpy_gbps": statistics.median(r["memcpy_gbps"] for r in results),
+           "data_ok": all(r["data_ok"] for r in results)}
+    for key in ("zero_copy_gbps", "copy_gbps"):
+        out[key] = out["memcpy_gbps"] * statistics.median(r[key] / r["memcpy_gbps"] for r in results)
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_libchm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=2000, help="latency samples per round (default 2000)")
     parser.add_argument("--rounds", type=int, default=10, help="latency rounds, floor and device in turn (default 10)")
     parser.add_argument("--size", type=int, default=16 << 20, help="throughput read size in bytes (default 16 MiB)")
-    parser.add_argument("--reps", type=int, default=20, help="throughput repetitions (default 20)")
+    parser.add_argument("--reps", type=int, default=20, help="throughput repetitions per run (default 20)")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="throughput runs, the two page sizes in turn; medians of the runs (default 5)")
     args = parser.parse_args(argv)
-    if args.iters < 100 or args.rounds < 1 or args.size < 4096 or args.size > (32 << 20) or args.reps < 1:
-        parser.error("--iters >= 100, --rounds >= 1, --size in [4096, 32 MiB], --reps >= 1")
+    if args.iters < 100 or args.rounds < 1 or args.size < 4096 or args.size > (32 << 20) or args.reps < 1 \
+            or args.runs < 1:
+        parser.error("--iters >= 100, --rounds >= 1, --size in [4096, 32 MiB], --reps >= 1, --runs >= 1")
 
     subprocess.run(["make", "-s", "-C", str(LIBCHM)], check=True)
     work = Path(tempfile.mkdtemp(prefix="chm-bench-", dir="/var/tmp"))
@@ -79,25 +93,30 @@ def main(argv: list[str]) -> int:
         exe = work / "bench_libchm"
         subprocess.run(["cc", "-O2", "-Wall", str(HERE / "bench_libchm.c"), "-o", str(exe), f"-I{LIBCHM / 'include'}",
                         f"-L{LIBCHM / 'build'}", f"-Wl,-rpath,{LIBCHM / 'build'}", "-lchm"], check=True)
-        # lru: reads of written data hit DRAM; the profile is the CI one (64 KiB pages).
+        # lru: reads of written data hit DRAM; the profile is the CI one (64 KiB pages). The same reads
+        # with 2 MiB pages: 32x fewer pages per read for the controller model. Both devices run at once,
+        # so their throughput runs can take turns.
         node = f"chm-bench-{os.getpid()}"
         serve = _Serve(work / "media", node, "--policy", "lru")
+        serve_big = None
         try:
+            serve_big = _Serve(work / "media2", node + "-big", "--policy", "lru",
+                               "--set", "device.page_size_bytes=2097152", "--set", "ssd.stripe_bytes=2097152",
+                               "--set", "policy.prefetch_window_bytes=33554432")
             time.sleep(0.5)
             cpu0, t0 = _cpu_seconds(serve.proc.pid), time.monotonic()
             time.sleep(2.0)
             idle_pct = 100 * (_cpu_seconds(serve.proc.pid) - cpu0) / (time.monotonic() - t0)
             modelled, floor, lat = _run_json([str(exe), "lat", node, str(args.iters), str(args.rounds)])
-            tput = _run_json([str(exe), "tput", node, str(args.size), str(args.reps)])[0]
+            runs: dict[str, list[dict]] = {node: [], node + "-big": []}
+            for _ in range(args.runs):
+                for name, results in runs.items():
+                    results.append(_run_json([str(exe), "tput", name, str(args.size), str(args.reps)])[0])
+            tput, tput_big = (_median_run(results) for results in runs.values())
         finally:
             serve.stop()
-        # The same reads with 2 MiB pages: 32x fewer pages per read for the controller model.
-        serve = _Serve(work / "media2", node + "-big", "--policy", "lru", "--set", "device.page_size_bytes=2097152",
-                       "--set", "ssd.stripe_bytes=2097152", "--set", "policy.prefetch_window_bytes=33554432")
-        try:
-            tput_big = _run_json([str(exe), "tput", node + "-big", str(args.size), str(args.reps)])[0]
-        finally:
-            serve.stop()
+            if serve_big is not None:
+                serve_big.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -111,7 +130,7 @@ def main(argv: list[str]) -> int:
     print(f"    p50 {x_floor:.1f}x the floor ({_goal(x_floor <= LATENCY_GOAL_X_FLOOR)}: at most "
           f"{LATENCY_GOAL_X_FLOOR:g}x)")
     mb = args.size >> 20
-    print(f"(b) {mb} MiB DRAM-hit read throughput, {args.reps} reps   GB/s   % of memcpy   "
+    print(f"(b) {mb} MiB DRAM-hit read throughput, {args.runs} interleaved runs x {args.reps} reps (medians)   GB/s   % of memcpy   "
           f"(goals: zero-copy >= {100 * ZERO_COPY_GOAL:.0f} %, copy >= {100 * COPY_GOAL:.0f} %)")
     for label, t in (("64 KiB pages (profile small)", tput), ("2 MiB pages", tput_big)):
         print(f"    [{label}]")
