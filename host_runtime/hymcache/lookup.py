@@ -5,7 +5,8 @@ most 32, one batch at a time, without waiting for the whole request: as soon as 
 names a node for the first time, the Lookup sends that node's KV Manager a prefetch hint with the
 candidate keys from that hit on, and the Master's descriptors of the batch's hits among them, and
 keeps looking. The Manager resolves the keys itself (its answer decides what it hands out), but
-starts staging from the descriptors at once, so its own Master round trip overlaps the staging.
+starts staging from the descriptors at once and answers before its own Master round trip, which
+overlaps the staging.
 The Master answers the longest stored prefix of each batch, so a batch that comes back short ends
 the request's lookup.
 

@@ -10,6 +10,12 @@ hint, the server's tick), never failed. A worker gets a ``ReadToken`` per staged
 (``acquire``), reads it (libchm directly on the same machine, ``read`` over ZeroMQ from another
 one) and gives it back (``release``), which moves the window on.
 
+A hint may carry the descriptors of the Lookup's own Master lookup: those blocks start staging at once,
+and the Manager's lookup stays the authority (only blocks it confirms are handed out). Served over
+ZeroMQ, such a hint is answered as soon as staging starts and confirmed right after (the server's tick)
+or at the request's first block call, whichever comes first, so the Lookup waits for one Master round
+trip, not two.
+
 A request's prefetches are cancelled (handles released) on ``finish``, when nothing touched it
 for ``request_timeout_s`` on the injected clock, and when its worker disconnects: the served
 Manager watches its ROUTER socket's monitor for DISCONNECTED events and maps each caller's ZeroMQ
@@ -134,10 +140,11 @@ class _Block:
 
 
 class _Request:
-    __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers")
+    __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers", "to_confirm")
 
     def __init__(self, request_id: str, caller, now: float):
         self.request_id, self.touched = request_id, now
+        self.to_confirm: list[bytes] | None = None  # the hint's keys, until this Manager's Master lookup ran
         self.callers = set() if caller is None else {caller}  # connections that used it (over ZeroMQ)
         self.blocks: list[_Block] = []     # this node's hits, in consumption order
         self.by_key: dict[bytes, _Block] = {}
@@ -192,7 +199,8 @@ class KVManager:
         self._check_at = [0.0] * len(self.handles)  # clock time of each device's next reopen / restart check
         self._gone_why = [""] * len(self.handles)   # why a gone device is not back (its ENODEV says it)
         self.counters = dict.fromkeys((
-            "hints", "hinted_keys", "hint_hits", "hint_other_node", "hint_locs_used", "hint_locs_unconfirmed", "num_retrieve_requests", "num_hit_tokens",
+            "hints", "hinted_keys", "hint_hits", "hint_other_node", "hint_locs_used", "hint_locs_unconfirmed",
+            "confirm_errors", "num_retrieve_requests", "num_hit_tokens",
             "prefetches", "ebusy", "unfit", "releases", "num_load_errors", "finished", "num_timeouts_recompute",
             "cancelled_disconnect", "remote_reads", "remote_read_bytes", "remote_writes", "remote_write_bytes",
             "write_refused", "devices_gone", "devices_reopened", "devices_new_epoch"), 0)
@@ -322,7 +330,7 @@ class KVManager:
             self._gone(i, exc)
 
     # ---- hints ---------------------------------------------------------------------
-    def hint(self, request_id: str, keys: list[bytes], locs: list | None = None) -> int:
+    def hint(self, request_id: str, keys: list[bytes], locs: list | None = None, confirm_later: bool = False) -> int:
         """Stage ``keys``' blocks stored on this node, in this order, a window at a time; how many it will stage
         (a block the device then fails to stage reports its error at ``acquire``).
 
@@ -330,7 +338,12 @@ class KVManager:
         ``keys[i]``'s). Those on this node start staging at once, before this Manager's own lookup -- which
         stays the authority: no block is handed out before the Master has confirmed its descriptor here, and
         if the answers differ every unconfirmed staging is released and the Master's answer is staged instead
-        (``hint_locs_unconfirmed``). The Manager's Master round trip is then off the load's critical path."""
+        (``hint_locs_unconfirmed``). The Manager's Master round trip is then off the load's critical path.
+
+        ``confirm_later`` (with ``locs``): return once the descriptors are staging and confirm them at the next
+        ``progress`` or block call, whichever comes first (the served Manager's hint: the Lookup does not wait
+        for this Manager's Master round trip). The count returned is then the descriptors' blocks here; a
+        confirmation that fails cancels the request, so its blocks answer ENOENT and the worker recomputes."""
         request_id, keys = _check_request_id(request_id), _check_keys(keys)
         locs = self._check_hint_locs(keys, locs)
         with self._lock:
@@ -340,25 +353,42 @@ class KVManager:
             self.requests[request_id] = req
             self.counters["hints"] += 1
             self.counters["hinted_keys"] += len(keys)
-            try:
-                if locs:
-                    self._speculate(req, locs)
-                confirmed: list[BlockLoc] = []
-                for start in range(0, len(keys), self.batch):
-                    batch = keys[start:start + self.batch]
-                    found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in self.master.lookup(batch)]
-                    confirmed.extend(found)
-                    self._add_hits(req, found)
-                    self._issue(req)  # the first blocks go to the device before the next batch is resolved
-                    if len(found) < len(batch):
-                        break  # the stored prefix ends in this batch
-                if locs and not self._as_confirmed(req, confirmed):
-                    self._restart(req, confirmed)
-            except Exception:
-                self._cancel(req)  # the Master unreachable (or a bad answer): nothing of this request stays held
-                raise
+            if locs:
+                self._speculate(req, locs)
+            req.to_confirm = keys
+            if not (locs and confirm_later):
+                self._confirm(req)
             self._changed.notify_all()
             return len(req.blocks)
+
+    def _confirm(self, req: _Request) -> None:
+        """Resolve the hint's keys at the Master and stage the hits here; drop what the Master did not confirm."""
+        keys, req.to_confirm = req.to_confirm, None
+        try:
+            confirmed: list[BlockLoc] = []
+            for start in range(0, len(keys), self.batch):
+                batch = keys[start:start + self.batch]
+                found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in self.master.lookup(batch)]
+                confirmed.extend(found)
+                self._add_hits(req, found)
+                self._issue(req)  # the first blocks go to the device before the next batch is resolved
+                if len(found) < len(batch):
+                    break  # the stored prefix ends in this batch
+            if not self._as_confirmed(req, confirmed):
+                self._restart(req, confirmed)
+        except Exception:
+            self._cancel(req)  # the Master unreachable (or a bad answer): nothing of this request stays held
+            raise
+
+    def _confirm_pending(self) -> None:
+        """Confirm every hint that was answered before its Master lookup (``hint(confirm_later=True)``)."""
+        for req in [r for r in self.requests.values() if r.to_confirm is not None]:
+            try:
+                self._confirm(req)
+            except Exception as exc:
+                self.counters["confirm_errors"] += 1
+                self.log(f"request {req.request_id}: its hint's Master lookup failed ({type(exc).__name__}: "
+                         f"{exc}); cancelled, the worker recomputes")
 
     def _check_hint_locs(self, keys: list[bytes], locs) -> list[BlockLoc]:
         if locs is None:
@@ -489,6 +519,7 @@ class KVManager:
         """Reopen gone devices; cancel requests past their timeout; move every window on (oldest request first)."""
         with self._lock:
             self._check_devices()
+            self._confirm_pending()
             now = self.clock.now()
             for req in [r for r in self.requests.values() if now - r.touched > self.request_timeout_s]:
                 self.log(f"request {req.request_id}: untouched for {now - req.touched:.3g} s, cancelled")
@@ -505,6 +536,8 @@ class KVManager:
         if req is None:
             raise ChmError(errno.ENOENT, f"request_id {request_id!r} has no hint here (never hinted, finished, "
                                          "timed out or its worker disconnected)")
+        if req.to_confirm is not None:  # no block is handed out before the Master confirmed it here
+            self._confirm(req)
         block = req.by_key.get(key)
         if block is None:
             raise ChmError(errno.ENOENT, f"key {key.hex()} is not a hit of request {request_id!r} on node "
@@ -732,6 +765,8 @@ class _Served:
             return lambda request_id, key, timeout_s=0.0: self.manager.acquire(request_id, key, 0.0)
         if name == "read":
             return lambda request_id, key, timeout_s=0.0: self.manager.read(request_id, key, 0.0)
+        if name == "hint":  # answered once staging starts: the Lookup does not wait for our Master round trip
+            return lambda request_id, keys, locs=None: self.manager.hint(request_id, keys, locs, confirm_later=True)
         return getattr(self.manager, name)
 
 

@@ -212,6 +212,57 @@ def test_descriptors_the_master_does_not_confirm_are_dropped(two_devices):
         assert pages_held(path) == 0  # every staging of the unconfirmed descriptors was released
 
 
+def test_a_hint_confirmed_later_answers_before_its_lookup_and_hands_out_only_the_masters_blocks(two_devices):
+    # The served Manager's hint: staging starts from the Lookup's descriptors and the call returns before
+    # this Manager's own Master lookup; the first block call (or progress) confirms, and a stale
+    # descriptor is never handed out.
+    clock = ManualClock()
+    master = RecordingMaster(Master(clock))
+    path = str(two_devices[0].path)
+    with KVManager(0, [two_devices[0].node], master, clock, window_bytes=3 * BLOCK) as mgr:
+        keys, data, _ = store(master, {0: path}, 4)
+        locs = master.master.lookup(keys)
+        lying = list(locs)
+        lying[1] = type(locs[1])(locs[1].key, 0, 0, locs[3].offset, BLOCK, 12345, locs[1].version)
+        assert mgr.hint("r", keys, lying, confirm_later=True) == 4
+        assert master.batches == [] and mgr.stats()["prefetches"] == 3  # staging, no Master round trip yet
+        with libchm.Device(path) as probe:
+            for key, block, loc in zip(keys, data, locs):
+                token = mgr.acquire("r", key, timeout_s=0)
+                assert master.batches == [keys]  # confirmed once, at the first acquire
+                assert (token.offset, token.checksum) == (loc.offset, loc.checksum)  # the Master's, not the lie
+                assert probe.read(token.offset, token.length) == block
+                mgr.release("r", key)
+        assert mgr.stats()["hint_locs_unconfirmed"] == 1
+        # progress confirms a pending hint too
+        assert mgr.hint("p", keys, locs, confirm_later=True) == 4
+        mgr.progress()
+        assert master.batches == [keys, keys] and mgr.stats()["hint_locs_unconfirmed"] == 1
+        mgr.finish("p")
+        assert pages_held(path) == 0
+
+
+class FailingMaster(RecordingMaster):
+    def lookup(self, keys):
+        raise ChmError(errno.ECONNREFUSED, "the Master is down")
+
+
+def test_a_hint_whose_later_confirmation_fails_is_cancelled(two_devices):
+    clock = ManualClock()
+    master = Master(clock)
+    path = str(two_devices[0].path)
+    with KVManager(0, [two_devices[0].node], FailingMaster(master), clock, window_bytes=3 * BLOCK) as mgr:
+        keys, _, _ = store(master, {0: path}, 3)
+        assert mgr.hint("r", keys, master.lookup(keys), confirm_later=True) == 3
+        assert pages_held(path) > 0
+        mgr.progress()  # the Master is unreachable: nothing of the request stays held, the worker recomputes
+        assert mgr.stats()["confirm_errors"] == 1 and "r" not in mgr.requests
+        assert pages_held(path) == 0
+        with pytest.raises(ChmError) as e:
+            mgr.acquire("r", keys[0], 0)
+        assert e.value.errno == errno.ENOENT
+
+
 def test_bad_hint_descriptors_are_refused(setup):
     master, _, mgr, paths = setup
     keys, _, _ = store(master, paths, 2)
