@@ -42,18 +42,20 @@ REPEATS = 31                         # micro-benchmarks: the fastest of this man
 IN_SITU_PROMPT = 256                 # the short generation: prompt tokens ...
 IN_SITU_RESIDENT = 2                 # ... of which this many stay on the accelerator
 IN_SITU_K = 64                       # selected offloaded tokens per layer
+IN_SITU_K_FEW = 16                   # ... and in a second V-in-CXL run: fewer read requests per layer
 IN_SITU_STEPS = 17                   # decode steps; the first (cold) is dropped
 IN_SITU_RUNS = 3                     # the generation is repeated; each step's time is its fastest run's
+STAGING_SCALE = 4                    # the CXL tier's staging is timed for the in-situ V region and 4x it
 
 
-def timed(fn, repeats: int = REPEATS) -> float:
-    """Fewest seconds of ``fn()`` over ``repeats`` calls after one warm-up call (load only adds time)."""
+def timed(fn, repeats: int = REPEATS, clock=time.perf_counter) -> float:
+    """Fewest seconds of ``fn()`` on ``clock`` over ``repeats`` calls after one warm-up call (load only adds time)."""
     fn()
     best = math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -86,27 +88,48 @@ def logits_flops(fn, n_heads: int, head_dim: int) -> float:
     return 2 * n_heads * head_dim * CACHED_TOKENS / timed(fn)
 
 
-def cxl_costs(cxl, region_bytes: int) -> tuple[float, float]:
-    """(bytes/s of one large read, seconds of one prefetch + wait + release of ``region_bytes``) of the CXL tier,
-    on rows just written to it."""
+def cxl_bandwidth(cxl) -> float:
+    """bytes/s of one large read from the CXL tier, of rows just written to it."""
     data = np.random.default_rng(0).bytes(CXL_BANDWIDTH_BYTES)
     chunk = max(cxl.info()["page_size"], cxl.info().get("write_buffer_bytes", 0) // 4)
     for off in range(0, CXL_BANDWIDTH_BYTES, chunk):
         cxl.write(off, data[off:off + chunk])
-
-    def staged():
-        handle = cxl.prefetch(0, region_bytes)
-        cxl.wait(handle)
-        cxl.release(handle)
-    return CXL_BANDWIDTH_BYTES / timed(lambda: cxl.read(0, CXL_BANDWIDTH_BYTES), 7), timed(staged)
+    return CXL_BANDWIDTH_BYTES / timed(lambda: cxl.read(0, CXL_BANDWIDTH_BYTES), 7)
 
 
-def in_situ(model, host_dram_bytes: float) -> dict[str, float]:
-    """Per-layer medians over the steps of a short generation with K = IN_SITU_K, post-QKᵀ, each step's time
+def cxl_staging_bandwidth(cxl, region_bytes: int, clock) -> float:
+    """bytes/s that each further byte of a staged region costs: prefetch + wait + release of ``region_bytes`` and
+    of STAGING_SCALE times it, timed on ``clock`` (the engine's transfer clock); 0 where the larger took no longer."""
+    def staged(nbytes: int):
+        def run():
+            handle = cxl.prefetch(0, nbytes)
+            cxl.wait(handle)
+            cxl.release(handle)
+        return run
+    extra = timed(staged(STAGING_SCALE * region_bytes), clock=clock) - timed(staged(region_bytes), clock=clock)
+    return (STAGING_SCALE - 1) * region_bytes / extra if extra > 0 else 0.0
+
+
+def cxl_line(many: dict, few: dict, link_latency: float, row_bytes: int, cxl_bw: float,
+             staging: float) -> tuple[float, float]:
+    """(fixed seconds per layer, seconds per read request) of the CXL leg, from two in-situ runs with V in the
+    CXL tier that select IN_SITU_K and IN_SITU_K_FEW rows: each run's leg is its transfer time less the link's
+    latency, its rows' bytes at ``cxl_bw`` and ``staging`` (its V region's bytes at the staging bandwidth); the
+    line through the two legs over their read requests. The fixed part is the rest of staging the layer's V
+    region (prefetch, wait, release) and the software around the reads."""
+    legs = [(run["cxl_reads"], run["t_tx"] - link_latency - k * row_bytes / cxl_bw - staging)
+            for run, k in ((many, IN_SITU_K), (few, IN_SITU_K_FEW))]
+    (reads_many, leg_many), (reads_few, leg_few) = legs
+    per_request = max(0.0, (leg_many - leg_few) / (reads_many - reads_few)) if reads_many > reads_few else 0.0
+    return max(0.0, leg_many - per_request * reads_many), per_request
+
+
+def in_situ(model, host_dram_bytes: float, k: int = IN_SITU_K) -> dict[str, float]:
+    """Per-layer medians over the steps of a short generation with K = ``k``, post-QKᵀ, each step's time
     the fastest of IN_SITU_RUNS runs: t_cpu, t_tx, t_gpu (seconds) and cxl_reads (read requests)."""
     from .engine import Engine, EngineOptions
 
-    opts = EngineOptions(method="hybridgen", strategy=POST, k_min=IN_SITU_K, k_max=IN_SITU_K,
+    opts = EngineOptions(method="hybridgen", strategy=POST, k_min=k, k_max=k,
                          resident_budget=IN_SITU_RESIDENT, host_dram_bytes=host_dram_bytes,
                          capacity=IN_SITU_PROMPT + IN_SITU_STEPS + 2)
     runs, layers = [], model.cfg.n_layers
@@ -120,7 +143,7 @@ def in_situ(model, host_dram_bytes: float) -> dict[str, float]:
 
 def measure(model) -> dict:
     """The platform table (the same shape as ``platforms/A.toml``) of this machine."""
-    from .engine import accelerator_device
+    from .engine import accelerator_device, transfer_clock
     from .tiers import open_cxl_tier
 
     cfg = model.cfg
@@ -141,15 +164,20 @@ def measure(model) -> dict:
     cpu_flops = logits_flops(logits_and_top_k, cfg.n_heads, cfg.head_dim)
     qa, ka = q[None].to(accel), k[None].to(accel)
     gpu_flops = logits_flops(lambda: attention_logits(qa, ka), cfg.n_heads, cfg.head_dim)
-    with open_cxl_tier() as dev:  # a layer's V region of the short generation, staged ahead (engine.prefetch)
-        (cxl_bw, cxl_staging), cxl_capacity = cxl_costs(dev, IN_SITU_PROMPT * row_bytes), dev.info()["capacity_bytes"]
-    dram = in_situ(model, host_dram_bytes=math.inf)  # every row in host DRAM
-    cxl = in_situ(model, host_dram_bytes=0)          # every row in the CXL tier (the K scan too: its t_cpu is unused)
-    gather_bw = gather_bandwidth(row_bytes // 4)
     offloaded = IN_SITU_PROMPT - IN_SITU_RESIDENT  # about: the context grows by one token per step
+    with open_cxl_tier() as dev:  # a layer's V region of the short generation, staged ahead (engine.prefetch)
+        cxl_bw, cxl_capacity = cxl_bandwidth(dev), dev.info()["capacity_bytes"]
+        stage_bw = cxl_staging_bandwidth(dev, offloaded * row_bytes, transfer_clock(accel))
+    dram = in_situ(model, host_dram_bytes=math.inf)  # every row in host DRAM
+    gather_bw = gather_bandwidth(row_bytes // 4)
+    link_latency = max(0.0, dram["t_tx"] - IN_SITU_K * row_bytes / gather_bw)
+    # HybridGen's own placement: every K row in host DRAM, every V row in the CXL tier (the budget holds the K rows
+    # of the whole generation, and the semantic mapping spills V first), so the CXL reads are the V reads alone
+    k_budget = (IN_SITU_PROMPT + IN_SITU_STEPS + 2) * cfg.n_layers * row_bytes
+    staging = offloaded * row_bytes / stage_bw if stage_bw else 0.0
+    cxl_fixed, cxl_request = cxl_line(in_situ(model, k_budget), in_situ(model, k_budget, IN_SITU_K_FEW), link_latency,
+                                      row_bytes, cxl_bw, staging)
     scan = max(offloaded * row_bytes / cpu_bw, 2 * cfg.n_heads * cfg.head_dim * offloaded / cpu_flops)
-    cxl_request = max(0.0, cxl["t_tx"] - dram["t_tx"] - cxl_staging - IN_SITU_K * row_bytes / cxl_bw) / max(
-        cxl["cxl_reads"], 1)
     weights = sum(t.numel() for name, t in model.w.items() if name.startswith("blk.0.")) * 4
     return {
         "name": f"this machine ({os.cpu_count()} CPUs, accelerator: torch {accel.type}), measured",
@@ -162,10 +190,10 @@ def measure(model) -> dict:
                 "host_dram_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9},
         "link": {"name": "host DRAM -> accelerator tensors (a row gather)",
                  "bandwidth_gbps": gather_bw / 1e9,
-                 "latency_us": max(0.0, dram["t_tx"] - IN_SITU_K * row_bytes / gather_bw) * 1e6},
+                 "latency_us": link_latency * 1e6},
         "cxl": {"name": "emulated CXL-HM device (in process)", "capacity_gb": cxl_capacity / 1e9,
-                "bandwidth_gbps": cxl_bw / 1e9, "latency_us": cxl_staging * 1e6,
-                "request_overhead_us": cxl_request * 1e6},
+                "bandwidth_gbps": cxl_bw / 1e9, "latency_us": cxl_fixed * 1e6,
+                "staging_bandwidth_gbps": stage_bw / 1e9, "request_overhead_us": cxl_request * 1e6},
         "scenario": {"gpu_kv_fraction": 0.1, "element_bytes": 4},
     }
 

@@ -59,6 +59,14 @@ def accelerator_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def transfer_clock(device: torch.device):
+    """The transfer's clock. With a CPU "accelerator" a transfer is the CPU copying rows (and the in-process
+    CXL tier serving reads) in the thread that asks: its thread CPU time, as for t_cpu, leaves out the waits
+    for Python's lock and for CPUs other processes hold, which a DMA engine would not have. A real
+    accelerator's copies are timed on the wall clock."""
+    return time.thread_time if device.type == "cpu" else time.perf_counter
+
+
 @dataclass
 class EngineOptions:
     method: str = "hybridgen"
@@ -179,11 +187,7 @@ class Engine:
         self.shape = perfmodel.load_models()[ENGINE_MODEL]
         self.platform = perfmodel.load_platform(opts.platform)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridgen-cpu")
-        # The transfer's clock. With a CPU "accelerator" a transfer is the CPU copying rows (and the in-process
-        # CXL tier serving reads) in the thread that asks: its thread CPU time, as for t_cpu, leaves out the
-        # waits for Python's lock and for CPUs other processes hold, which a DMA engine would not have.
-        # A real accelerator's copies are timed on the wall clock.
-        self.tx_clock = time.thread_time if dev.type == "cpu" else time.perf_counter
+        self.tx_clock = transfer_clock(dev)
         self.n_tokens = [0] * opts.batch
         self.steps: list[StepStats] = []
 

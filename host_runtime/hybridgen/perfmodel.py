@@ -98,6 +98,7 @@ class Platform:
     cxl_bytes: float
     gpu_kv_fraction: float
     element_bytes: int
+    cxl_stage_bw: float = 0.0  # bytes/s of an explicit prefetch staging a region (0: not modelled; latency only)
 
     @property
     def has_cxl(self) -> bool:
@@ -166,6 +167,7 @@ def platform_from_table(t: dict) -> Platform:
         cxl_bw=x.get("bandwidth_gbps", 0.0) * 1e9, cxl_lat=x.get("latency_us", 0.0) * 1e-6,
         cxl_request_overhead=x.get("request_overhead_us", 0.0) * 1e-6, cxl_bytes=x.get("capacity_gb", 0.0) * 1e9,
         gpu_kv_fraction=s["gpu_kv_fraction"], element_bytes=int(s["element_bytes"]),
+        cxl_stage_bw=x.get("staging_bandwidth_gbps", 0.0) * 1e9,
     )
 
 
@@ -256,12 +258,22 @@ def cpu_attention_time(m: ModelShape, p: Platform, batch: int, tokens: float, wh
     return p.cpu_task_overhead + max(mem, flops / p.cpu_flops)
 
 
-def transfer_time(p: Platform, pcie_bytes: float, cxl_bytes: float = 0.0, cxl_requests: float = 0.0) -> float:
-    """Host -> GPU. Rows in the CXL tier cross its link too; the legs pipeline, so the slower one sets the time."""
+def transfer_time(p: Platform, pcie_bytes: float, cxl_bytes: float = 0.0, cxl_requests: float = 0.0,
+                  staged_bytes: float = 0.0) -> float:
+    """Host -> GPU. Rows in the CXL tier cross its link too; the legs pipeline, so the slower one sets the time.
+    ``staged_bytes``: the region an explicit prefetch stages in the CXL tier first, charged at the platform's
+    staging bandwidth where it gives one."""
     cxl = 0.0
-    if cxl_bytes:
+    if cxl_bytes or staged_bytes:
         cxl = p.cxl_lat + cxl_requests * p.cxl_request_overhead + cxl_bytes / p.cxl_bw
+        if p.cxl_stage_bw:
+            cxl += staged_bytes / p.cxl_stage_bw
     return p.pcie_lat + max(pcie_bytes / p.pcie_bw, cxl)
+
+
+def staged_v_bytes(m: ModelShape, p: Platform, batch: int, offloaded: float, where: Placement) -> float:
+    """Bytes of one layer's V rows in the CXL tier: what the engine stages ahead of each layer."""
+    return batch * offloaded * m.kv_row_bytes(p.element_bytes) * where.v_cxl
 
 
 def hybrid_times(m: ModelShape, p: Platform, batch: int, split: Split, k: int, strategy: str,
@@ -278,7 +290,8 @@ def hybrid_times(m: ModelShape, p: Platform, batch: int, split: Split, k: int, s
     t_cpu = cpu_logits_time(m, p, batch, scanned, where.k_cxl)
     v_bytes = batch * k * m.kv_row_bytes(p.element_bytes)
     logits = batch * k * m.heads * LOGIT_BYTES
-    t_tx = transfer_time(p, v_bytes + logits, v_bytes * where.v_cxl, cxl_requests or 0.0)
+    t_tx = transfer_time(p, v_bytes + logits, v_bytes * where.v_cxl, cxl_requests or 0.0,
+                         staged_v_bytes(m, p, batch, split.offloaded, where))
     t_gpu = gpu_time(m, p, batch, split.resident + k)
     return t_cpu, t_tx, t_gpu
 

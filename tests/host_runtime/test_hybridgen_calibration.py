@@ -52,7 +52,17 @@ def model_over_measured(model, tok, platform, strategy, prefill) -> dict[str, fl
 def test_calibrated_file_loads_as_a_platform(smol, tmp_path):  # noqa: F811
     p = perfmodel.load_platform(str(calibrated(smol[0], tmp_path / "here.toml")))
     assert p.cpu_bw > 0 and p.cpu_flops > 0 and p.has_cxl and p.element_bytes == 4
-    assert p.cpu_task_overhead > 0 and p.pcie_lat > 0 and p.cxl_request_overhead > 0
+    assert p.cpu_task_overhead > 0 and p.pcie_lat > 0 and p.cxl_lat > 0 and p.cxl_request_overhead >= 0
+    assert p.cxl_stage_bw >= 0
+
+
+def test_the_cxl_line_separates_the_fixed_cost_from_the_cost_per_read():
+    fixed, per_read, link, row, bw, staging = 200e-6, 5e-6, 50e-6, 768, 1e9, 30e-6
+    runs = [{"cxl_reads": reads, "t_tx": link + staging + fixed + reads * per_read + k * row / bw}
+            for reads, k in ((30, calibrate.IN_SITU_K), (10, calibrate.IN_SITU_K_FEW))]
+    assert calibrate.cxl_line(*runs, link, row, bw, staging) == pytest.approx((fixed, per_read))
+    runs[1]["t_tx"] = runs[0]["t_tx"] + 1e-3  # noise: fewer reads took longer; no negative cost per read
+    assert calibrate.cxl_line(*runs, link, row, bw, staging)[1] == 0
 
 
 def test_model_within_25_percent_of_generate_on_this_machine(smol, tmp_path):  # noqa: F811
@@ -70,6 +80,7 @@ def test_model_within_25_percent_of_generate_on_this_machine(smol, tmp_path):  #
         ratios = model_over_measured(model, tok, calibrated(model, tmp_path / "here.toml"), strategy, prefill)
         seen.append({k: round(v, 3) for k, v in ratios.items()})
         if all(1 - TOLERANCE <= r <= 1 + TOLERANCE for r in ratios.values()):
+            print(f"model / measured, per attempt: {seen}")  # shown by pytest -rP
             return
     pytest.fail(f"model / measured outside 1 ± {TOLERANCE} in every attempt: {seen}")
 

@@ -63,6 +63,24 @@ def test_pcie_and_cxl_legs_pipeline():
     assert both < p.pcie_lat + 1e6 / p.pcie_bw + p.cxl_lat + 1e6 / p.cxl_bw
 
 
+def test_a_staged_region_costs_its_bytes_at_the_staging_bandwidth_only_where_the_platform_gives_one(models):
+    c = pm.load_platform("C")
+    assert c.cxl_stage_bw == 0  # the paper's platforms: the staging is in the latency
+    assert pm.transfer_time(c, 1e3, 1e3, 0, staged_bytes=1e9) == pm.transfer_time(c, 1e3, 1e3)
+    table = pm.read_platform_table("C")
+    table["cxl"]["staging_bandwidth_gbps"] = 2.0  # as `chm hybridgen calibrate` writes it
+    calibrated = pm.platform_from_table(table)
+    assert calibrated.cxl_stage_bw == 2e9
+    assert pm.transfer_time(calibrated, 1e3, 1e3, 3, staged_bytes=1e6) == pytest.approx(
+        calibrated.pcie_lat + calibrated.cxl_lat + 3 * calibrated.cxl_request_overhead + 1e3 / calibrated.cxl_bw
+        + 1e6 / 2e9)
+    # HybridGen stages each layer's CXL-resident V rows: the longer the offloaded context, the longer T_tx
+    m, where = models["opt-13b"], pm.Placement(0.0, 1.0)
+    short, long_ = (pm.hybrid_times(m, calibrated, 1, pm.Split(0, n), 64, pm.POST, where)[1] for n in (1000, 4000))
+    staged = 3000 * m.kv_row_bytes(calibrated.element_bytes)
+    assert long_ - short == pytest.approx(staged / 2e9)
+
+
 def test_cxl_holds_only_what_exceeds_host_dram_and_only_on_c(models):
     m = models["opt-13b"]
     a, c = pm.load_platform("A"), pm.load_platform("C")
