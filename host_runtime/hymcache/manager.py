@@ -353,9 +353,13 @@ class KVManager:
             self.requests[request_id] = req
             self.counters["hints"] += 1
             self.counters["hinted_keys"] += len(keys)
-            if locs:
-                self._speculate(req, locs)
             req.to_confirm = keys
+            if locs:
+                try:
+                    self._speculate(req, locs)
+                except Exception:
+                    self._cancel(req)  # nothing of this request stays held
+                    raise
             if not (locs and confirm_later):
                 self._confirm(req)
             self._changed.notify_all()
@@ -364,6 +368,7 @@ class KVManager:
     def _confirm(self, req: _Request) -> None:
         """Resolve the hint's keys at the Master and stage the hits here; drop what the Master did not confirm."""
         keys, req.to_confirm = req.to_confirm, None
+        speculated = any(not block.confirmed for block in req.blocks)
         try:
             confirmed: list[BlockLoc] = []
             for start in range(0, len(keys), self.batch):
@@ -374,7 +379,7 @@ class KVManager:
                 self._issue(req)  # the first blocks go to the device before the next batch is resolved
                 if len(found) < len(batch):
                     break  # the stored prefix ends in this batch
-            if not self._as_confirmed(req, confirmed):
+            if speculated and not self._as_confirmed(req, confirmed):
                 self._restart(req, confirmed)
         except Exception:
             self._cancel(req)  # the Master unreachable (or a bad answer): nothing of this request stays held
