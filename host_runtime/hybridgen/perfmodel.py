@@ -99,6 +99,9 @@ class Platform:
     gpu_kv_fraction: float
     element_bytes: int
     cxl_stage_bw: float = 0.0  # bytes/s of an explicit prefetch staging a region (0: not modelled; latency only)
+    # s per layer the CPU job loses while an in-process (emulated) CXL tier stages and serves V beside it on the
+    # same CPUs; 0 for real hardware, where the device does that work
+    cpu_cxl_interference: float = 0.0
 
     @property
     def has_cxl(self) -> bool:
@@ -168,6 +171,7 @@ def platform_from_table(t: dict) -> Platform:
         cxl_request_overhead=x.get("request_overhead_us", 0.0) * 1e-6, cxl_bytes=x.get("capacity_gb", 0.0) * 1e9,
         gpu_kv_fraction=s["gpu_kv_fraction"], element_bytes=int(s["element_bytes"]),
         cxl_stage_bw=x.get("staging_bandwidth_gbps", 0.0) * 1e9,
+        cpu_cxl_interference=c.get("cxl_interference_us", 0.0) * 1e-6,
     )
 
 
@@ -287,7 +291,7 @@ def hybrid_times(m: ModelShape, p: Platform, batch: int, split: Split, k: int, s
         raise ValueError(f"strategy={strategy!r} is invalid: allowed {(POST, PRE)}")
     k = min(k, split.offloaded)
     scanned = split.offloaded if strategy == POST else k
-    t_cpu = cpu_logits_time(m, p, batch, scanned, where.k_cxl)
+    t_cpu = cpu_logits_time(m, p, batch, scanned, where.k_cxl) + (p.cpu_cxl_interference if where.v_cxl else 0.0)
     v_bytes = batch * k * m.kv_row_bytes(p.element_bytes)
     logits = batch * k * m.heads * LOGIT_BYTES
     t_tx = transfer_time(p, v_bytes + logits, v_bytes * where.v_cxl, cxl_requests or 0.0,

@@ -81,6 +81,16 @@ def test_a_staged_region_costs_its_bytes_at_the_staging_bandwidth_only_where_the
     assert long_ - short == pytest.approx(staged / 2e9)
 
 
+def test_an_in_process_cxl_tier_costs_the_cpu_job_its_interference_only_while_v_is_there(models):
+    table = pm.read_platform_table("C")
+    assert pm.platform_from_table(table).cpu_cxl_interference == 0  # real hardware: the device does the work
+    table["cpu"]["cxl_interference_us"] = 80.0  # as `chm hybridgen calibrate` measures this machine
+    p, m = pm.platform_from_table(table), models["opt-13b"]
+    t_cpu = {v: pm.hybrid_times(m, p, 1, pm.Split(0, 2000), 64, pm.POST, pm.Placement(0.0, v))[0] for v in (0.0, 0.5)}
+    assert t_cpu[0.0] == pytest.approx(pm.cpu_logits_time(m, p, 1, 2000))
+    assert t_cpu[0.5] - t_cpu[0.0] == pytest.approx(80e-6)
+
+
 def test_cxl_holds_only_what_exceeds_host_dram_and_only_on_c(models):
     m = models["opt-13b"]
     a, c = pm.load_platform("A"), pm.load_platform("C")
