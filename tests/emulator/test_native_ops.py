@@ -17,62 +17,18 @@ import random
 
 import pytest
 
-from emulator import ChmError, load_profile
+from emulator import ChmError
 from emulator.config import Config
 from emulator.controller import Controller
 from emulator.errors import WriteBufferFull
-from emulator.native import ffi, lib
+from emulator.native import lib
 from emulator.shared_data import mooncake_conversation_trace
 from host_runtime.replay import MooncakeTrace, Replay, get_model, replay_config
 
-from .conftest import KiB, TINY
+from .conftest import KiB
+from .native_twins import device_state, fifo_plug_in, python_controller, tiny_config
 
 NATIVE_POLICIES = ("lru", "fifo", "clock", "s3fifo", "sieve", "hymcache")
-POLICY_FIT = {"s3fifo": {"policy.s3fifo.small_size_ratio": 0.25}}
-
-
-def tiny_config(policy: str, dram_frames: int = 16, more: dict | None = None) -> Config:
-    return load_profile("small").with_overrides({**TINY, "policy.name": policy, "emulation.data": False,
-                                                 "dram.size_bytes": dram_frames * 4 * KiB,
-                                                 **POLICY_FIT.get(policy, {}), **(more or {})})
-
-
-def python_controller(ctl: Controller) -> Controller:
-    """``ctl`` with its flusher's state in Python: the reference."""
-    ctl.flusher._demote()
-    assert ctl.flusher._dev is None and ctl.native_dev.flusher == ffi.NULL
-    return ctl
-
-
-def device_state(ctl: Controller) -> dict:
-    """Everything an operation can change, as plain values."""
-    timing, flusher, policy = ctl.timing, ctl.flusher, ctl.policy
-    pipes = [timing.link_to_host, timing.link_to_device, timing.dram] + \
-            [p for s in timing.ssds for p in (s.read_media, s.write_media)]
-    tables = [area.table for area in policy.areas]
-    return {
-        "snapshot": ctl.snapshot(),
-        "stats": dict(ctl.stats),
-        "pipes": [(p.name, p.free_at, p.busy_ns, p.bytes) for p in pipes],
-        "controller": (timing.controller.free_at, timing.controller.busy_ns),
-        "ssds": [(s.writes_until, s.reads_until, s.slowed_reads, s._slots, sorted(s._read_finishes))
-                 for s in timing.ssds],
-        "histograms": {k: (h.count, h.total_ns, h.min_ns, h.max_ns, bytes(h.counts))
-                       for k, h in timing.latencies.histograms.items() if h.count},
-        "frames": (list(ctl.ready_at), list(ctl.frames.io_token), list(ctl.frames.write_seq)),
-        "tables": [(list(t.page_of), bytes(t.dirty), list(t.pins),
-                    [(o.queue(lib.CHM_QUEUE_MAIN), o.queue(lib.CHM_QUEUE_SMALL)) for o in t.orders])
-                   for t in tables],
-        "flusher": (flusher.flight_counts(), bytes(flusher.queued), list(flusher.dirty_entries()),
-                    sorted((f, o, fl.frames, fl.seqs, fl.since) for f, o, fl in flusher.flight_entries()),
-                    flusher.background_ns, flusher.events_run),
-        "write_buffer": policy.write_buffer_pages,
-        "free_when_unpinned": bytes(getattr(policy, "_free_when_unpinned", b"")),
-        "staged": {h: (s.frames, s.ready_at) for h, s in ctl.staged.items()},
-        "prefetch_pages_held": ctl.engine.pages_held,
-    }
-
-
 def random_ops(cfg: Config, seed: int, count: int) -> list[tuple]:
     """Operations at virtual times that overlap (a step smaller than an SSD access, or a long idle gap):
     reads and writes of partial pages, pages and runs of pages, prefetches (waited for and released a few
@@ -243,19 +199,9 @@ def test_a_policy_method_replaced_brings_the_state_back_to_python():
 
 @pytest.mark.parametrize("policy", ["libcachesim:LRU", "test-ops-plugin"])
 def test_other_policies_keep_the_flusher_in_python(policy):
-    from emulator.policies import register, unregister
-    from emulator.policies.fifo import FifoOrder
-
-    class MyFifo(FifoOrder):  # overrides an operation: a plug-in
-        def evict(self, pinned, incoming=None):
-            return super().evict(pinned, incoming)
-
-    register("test-ops-plugin", MyFifo)
-    try:
+    with fifo_plug_in("test-ops-plugin"):
         ctl = Controller(tiny_config(policy), None)
         assert ctl.native_ops_problem() is not None and ctl.flusher._dev is None
-    finally:
-        unregister("test-ops-plugin")
 
 
 def test_data_on_keeps_the_flusher_in_python(tmp_path):

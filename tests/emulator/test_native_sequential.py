@@ -21,16 +21,16 @@ import pytest
 from emulator import ChmError, load_profile
 from emulator.config import Config
 from emulator.controller import SEQ_READ, SEQ_WRITE, Controller, sequential_ops
-from emulator.native import lib
 from emulator.shared_data import mooncake_conversation_trace
 from emulator.timing import Pipe, SsdModel
 from host_runtime.replay import MooncakeTrace, Replay, replay_config
 from host_runtime.replay.traces import MOONCAKE_TOKENS_PER_HASH
 
-from .conftest import KiB, TINY
+from . import native_twins
+from .conftest import KiB
+from .native_twins import device_state, fifo_plug_in, python_controller
 
 SEQUENTIAL_POLICIES = ("lru", "fifo", "clock", "s3fifo", "sieve")
-POLICY_FIT = {"s3fifo": {"policy.s3fifo.small_size_ratio": 0.25}}  # a small queue of >= 2 frames in tiny DRAMs
 MOONCAKE_REQUESTS = 400  # the trace's first requests: a few thousand page accesses
 MOONCAKE_DRAM_PAGES = 256  # far fewer than the prefix touches: evictions all along
 
@@ -48,40 +48,6 @@ def per_op_loop(ctl: Controller, ops, now: float = 0.0) -> tuple[float, int]:
     return now, write_misses
 
 
-def python_controller(ctl: Controller) -> Controller:
-    """``ctl`` with its flusher's state in Python (the per-operation calls all Python's, but for the DRAM-hit
-    read): the reference the native paths are held to."""
-    if ctl.flusher._dev is not None:
-        ctl.flusher._demote()
-    return ctl
-
-
-def device_state(ctl: Controller) -> dict:
-    """Everything a sequential run can change, as plain values."""
-    timing, flusher = ctl.timing, ctl.flusher
-    pipes = [timing.link_to_host, timing.link_to_device, timing.dram] + \
-            [p for s in timing.ssds for p in (s.read_media, s.write_media)]
-    table = ctl.policy.read_area.table
-    return {
-        "snapshot": ctl.snapshot(),
-        "pipes": [(p.name, p.free_at, p.busy_ns, p.bytes) for p in pipes],
-        "controller": (timing.controller.free_at, timing.controller.busy_ns),
-        "ssds": [(s.writes_until, s.reads_until, s.slowed_reads, s._slots, s._read_finishes) for s in timing.ssds],
-        "histograms": {k: (h.count, h.total_ns, h.min_ns, h.max_ns, bytes(h.counts))
-                       for k, h in timing.latencies.histograms.items() if h.count},
-        "ready_at": list(ctl.ready_at),
-        "io_token": list(ctl.frames.io_token),
-        "write_seq": list(ctl.frames.write_seq),
-        "pages": list(table.page_of),
-        "dirty": bytes(table.dirty),
-        "pins": list(table.pins),
-        "queues": [(o.queue(lib.CHM_QUEUE_MAIN), o.queue(lib.CHM_QUEUE_SMALL)) for o in table.orders],
-        "flusher": (flusher.flight_counts(), bytes(flusher.queued), list(flusher.dirty_entries()),
-                    sorted((f, o, fl.frames, fl.seqs, fl.since) for f, o, fl in flusher.flight_entries()),
-                    flusher.background_ns, flusher.events_run),
-    }
-
-
 def assert_same_run(make_ctl, ops, tail_ops=(), now: float = 0.0, expect_native: bool = True) -> None:
     """``ops`` through run_sequential on one fresh controller and through the calls on another: the same
     outcome and state; then ``tail_ops`` through the calls on both: still the same."""
@@ -97,10 +63,8 @@ def assert_same_run(make_ctl, ops, tail_ops=(), now: float = 0.0, expect_native:
 
 
 def tiny_config(policy: str, dram_frames: int = 16, more: dict | None = None) -> Config:
-    return load_profile("small").with_overrides({**TINY, "policy.name": policy, "emulation.data": False,
-                                                 "dram.size_bytes": dram_frames * 4 * KiB,
-                                                 "policy.prefetch_window_bytes": 4 * KiB,  # as --sequential has it
-                                                 **POLICY_FIT.get(policy, {}), **(more or {})})
+    """The shared tiny device with the prefetch window --sequential has."""
+    return native_twins.tiny_config(policy, dram_frames, {"policy.prefetch_window_bytes": 4 * KiB, **(more or {})})
 
 
 def random_ops(cfg: Config, seed: int, count: int, longest: int | None = None) -> list[tuple[str, int, int]]:
@@ -188,20 +152,10 @@ def test_other_policies_run_through_the_calls(policy):
 
 
 def test_a_plug_in_eviction_policy_runs_through_the_calls():
-    from emulator.policies import register, unregister
-    from emulator.policies.fifo import FifoOrder
-
-    class MyFifo(FifoOrder):  # overrides an operation: a plug-in, its victims chosen in Python
-        def evict(self, pinned, incoming=None):
-            return super().evict(pinned, incoming)
-
-    register("test-seq-plugin", MyFifo)
-    try:
-        cfg = tiny_config("test-seq-plugin")
+    with fifo_plug_in("test-seq-plugin") as name:
+        cfg = tiny_config(name)
         assert "not a built-in" in Controller(cfg, None).native_sequential_problem()
         assert_same_run(lambda: Controller(cfg, None), random_ops(cfg, 3, 80), expect_native=False)
-    finally:
-        unregister("test-seq-plugin")
 
 
 def test_data_on_runs_through_the_calls(tmp_path):
