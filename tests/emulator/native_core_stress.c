@@ -244,32 +244,67 @@ static void stress_ssd(uint32_t parallelism, long steps)
     chm_ssd_free(ssd);
 }
 
+/* The device model both data-off stresses run on: two SSDs, the pipes, the controller clock, the latency
+ * histograms and the per-frame arrays, in ``d`` with the settings both use (areas, chunking, flusher: the
+ * caller's). Not to be moved once set up: ``d`` points into it. */
+enum { RIG_SSDS = 2 };
+static const uint64_t RIG_PAGE = 4096, RIG_CAPACITY = 256 * 4096;
+
+struct rig {
+    struct chm_ssd *ssds[RIG_SSDS];
+    struct chm_pipe link_up, link_down, dram;
+    struct chm_clocked controller;
+    double *ready_at;
+    int64_t *io_token, *write_seq;
+    struct chm_dev d;
+};
+
+static void rig_init(struct rig *r, uint32_t frames, const char *name)
+{
+    static struct chm_histogram reads, writes;
+    chm_histogram_init(&reads);
+    chm_histogram_init(&writes);
+    for (int i = 0; i < RIG_SSDS; i++)
+        if (chm_ssd_new(4, 20000.0, 40000.0, 2.0, 3.0, 1.5, &r->ssds[i]))
+            FAIL("%s: chm_ssd_new failed", name);
+    r->link_up = r->link_down = (struct chm_pipe){600, 64, 0, 0, 0};
+    r->dram = (struct chm_pipe){50, 100, 0, 0, 0};
+    r->controller = (struct chm_clocked){1000, 0, 0};
+    r->ready_at = calloc(frames, sizeof *r->ready_at);
+    r->io_token = calloc(frames, sizeof *r->io_token);
+    r->write_seq = calloc(frames, sizeof *r->write_seq);
+    r->d = (struct chm_dev){.page_size = RIG_PAGE, .capacity = RIG_CAPACITY, .cycles_per_command = 10,
+                            .cycles_per_lookup = 2, .ready_at = r->ready_at, .io_token = r->io_token,
+                            .controller = &r->controller, .dram_pipe = &r->dram, .link_to_host = &r->link_down,
+                            .read_latency = &reads, .cycles_per_admission = 3, .stripe_bytes = 2 * RIG_PAGE,
+                            .n_ssds = RIG_SSDS, .ssds = r->ssds, .link_to_device = &r->link_up,
+                            .write_latency = &writes, .write_seq = r->write_seq};
+}
+
+static void rig_free(struct rig *r)
+{
+    for (int i = 0; i < RIG_SSDS; i++)
+        chm_ssd_free(r->ssds[i]);
+    free(r->ready_at);
+    free(r->io_token);
+    free(r->write_seq);
+}
+
 /* The sequential path: random reads and writes (partial pages, runs longer than DRAM) over one table of
  * each policy; after each call the table's invariants hold and the device is settled again. */
 static void stress_sequential(const char *name, struct chm_policy_params policy, uint32_t frames, long ops)
 {
-    enum { N = 64, SSDS = 2 };
-    const uint64_t page = 4096, capacity = 256 * page;
+    enum { N = 64 };
+    const uint64_t page = RIG_PAGE, capacity = RIG_CAPACITY;
     struct chm_ft *ft;
     if (chm_ft_new(frames, frames, &policy, &ft))
         FAIL("sequential %s: chm_ft_new(%u) failed", name, frames);
-    struct chm_ssd *ssds[SSDS];
-    for (int i = 0; i < SSDS; i++)
-        if (chm_ssd_new(4, 20000.0, 40000.0, 2.0, 3.0, 1.5, &ssds[i]))
-            FAIL("sequential: chm_ssd_new failed");
-    struct chm_pipe link_up = {600, 64, 0, 0, 0}, link_down = {600, 64, 0, 0, 0}, dram = {50, 100, 0, 0, 0};
-    struct chm_clocked controller = {1000, 0, 0};
-    static struct chm_histogram reads, writes;
-    chm_histogram_init(&reads);
-    chm_histogram_init(&writes);
-    double *ready_at = calloc(frames, sizeof *ready_at);
-    int64_t *io_token = calloc(frames, sizeof *io_token), *write_seq = calloc(frames, sizeof *write_seq);
-    struct chm_dev d = {.page_size = page, .capacity = capacity, .cycles_per_command = 10, .cycles_per_lookup = 2,
-                        .n_areas = 1, .areas = {{ft, 0}}, .ready_at = ready_at, .io_token = io_token,
-                        .controller = &controller, .dram_pipe = &dram, .link_to_host = &link_down,
-                        .read_latency = &reads, .cycles_per_admission = 3, .stripe_bytes = 2 * page,
-                        .n_ssds = SSDS, .chunk_pages = frames > 1 ? frames - 1 : 1, .ssds = ssds,
-                        .link_to_device = &link_up, .write_latency = &writes, .write_seq = write_seq};
+    struct rig rig;
+    rig_init(&rig, frames, name);
+    struct chm_dev *d = &rig.d;
+    d->n_areas = 1;
+    d->areas[0] = (struct chm_dev_area){ft, 0};
+    d->chunk_pages = frames > 1 ? frames - 1 : 1;
     uint8_t kinds[N];
     uint64_t addrs[N], lengths[N];
     struct chm_seq_result out;
@@ -284,7 +319,7 @@ static void stress_sequential(const char *name, struct chm_policy_params policy,
         }
         if (rnd(8) == 0)
             lengths[rnd(N)] = capacity;  /* past the end (unless at 0): it stops there */
-        int rc = chm_dev_run_sequential(&d, kinds, addrs, lengths, N, now, &out);
+        int rc = chm_dev_run_sequential(d, kinds, addrs, lengths, N, now, &out);
         if (rc != CHM_OK && rc != CHM_E_ARG)
             FAIL("sequential %s: status %d at operation %lu", name, rc, (unsigned long)out.done);
         if (rc == CHM_OK ? out.done != N : out.done >= N || addrs[out.done] + lengths[out.done] <= capacity)
@@ -297,11 +332,7 @@ static void stress_sequential(const char *name, struct chm_policy_params policy,
             FAIL("sequential %s: time went back", name);
         now = out.now;
     }
-    for (int i = 0; i < SSDS; i++)
-        chm_ssd_free(ssds[i]);
-    free(ready_at);
-    free(io_token);
-    free(write_seq);
+    rig_free(&rig);
     chm_ft_free(ft);
 }
 
@@ -341,25 +372,14 @@ static void check_flusher(const struct chm_flusher *fl, struct chm_ft *const *ta
  * into a read area and a write buffer (hymcache's arbiter, admission, frames freed once unpinned). */
 static void stress_ops(const char *name, int split, uint32_t frames, long steps)
 {
-    enum { SSDS = 2, HELD = 6 };
-    const uint64_t page = 4096, capacity = 256 * page;
+    enum { HELD = 6 };
+    const uint64_t page = RIG_PAGE, capacity = RIG_CAPACITY;
     uint32_t wbuf = split ? frames / 4 : 0, reads = frames - wbuf;
     struct chm_policy_params lru = {CHM_POLICY_LRU, 0, 0, 0, 0};
     struct chm_ft *read_ft, *write_ft = NULL;
     if (chm_ft_new(reads, reads, &lru, &read_ft) || (split && chm_ft_new(wbuf, wbuf, &lru, &write_ft)))
         FAIL("ops %s: chm_ft_new failed", name);
-    struct chm_ssd *ssds[SSDS];
-    for (int i = 0; i < SSDS; i++)
-        if (chm_ssd_new(4, 20000.0, 40000.0, 2.0, 3.0, 1.5, &ssds[i]))
-            FAIL("ops: chm_ssd_new failed");
-    struct chm_pipe link_up = {600, 64, 0, 0, 0}, link_down = {600, 64, 0, 0, 0}, dram = {50, 100, 0, 0, 0};
-    struct chm_clocked controller = {1000, 0, 0};
-    static struct chm_histogram read_hist, write_hist;
-    chm_histogram_init(&read_hist);
-    chm_histogram_init(&write_hist);
     struct chm_seq_counts counts = {0};
-    double *ready_at = calloc(frames, sizeof *ready_at);
-    int64_t *io_token = calloc(frames, sizeof *io_token), *write_seq = calloc(frames, sizeof *write_seq);
     uint8_t *queued = calloc(frames, 1), *fwu = calloc(frames, 1);
     struct chm_flusher *fl;
     if (chm_flusher_new(frames, queued, &fl))
@@ -369,35 +389,36 @@ static void stress_ops(const char *name, int split, uint32_t frames, long steps)
     uint64_t window = reads > 2 ? reads / 2 : 1;
     if (chm_pf_new(window, HELD, &pf))
         FAIL("ops %s: chm_pf_new failed", name);
-    struct chm_dev d = {.page_size = page, .capacity = capacity, .cycles_per_command = 10, .cycles_per_lookup = 2,
-                        .ready_at = ready_at, .io_token = io_token, .controller = &controller, .dram_pipe = &dram,
-                        .link_to_host = &link_down, .read_latency = &read_hist, .cycles_per_admission = 3,
-                        .stripe_bytes = 2 * page, .n_ssds = SSDS, .chunk_pages = reads - window, .ssds = ssds,
-                        .link_to_device = &link_up, .write_latency = &write_hist, .write_seq = write_seq,
-                        .flusher = fl, .ops = &counts, .cycles_per_prefetch_page = 1};
+    struct rig rig;
+    rig_init(&rig, frames, name);
+    struct chm_dev *d = &rig.d;
+    d->chunk_pages = reads - window;
+    d->flusher = fl;
+    d->ops = &counts;
+    d->cycles_per_prefetch_page = 1;
     struct chm_ft *tables[2] = {read_ft, write_ft};
     if (split) {
-        d.n_areas = 2;
-        d.areas[0] = (struct chm_dev_area){write_ft, reads};
-        d.areas[1] = (struct chm_dev_area){read_ft, 0};
+        d->n_areas = 2;
+        d->areas[0] = (struct chm_dev_area){write_ft, reads};
+        d->areas[1] = (struct chm_dev_area){read_ft, 0};
         fl->rule = CHM_FLUSH_ARBITER;
         fl->batch_pages = 3;
         fl->max_reads_in_flight = rnd(2);
         fl->max_delay_ns = 50000.0;
         fl->pages_in_flight_limit = 3;
-        fl->write_area = d.areas[0];
+        fl->write_area = d->areas[0];
         fl->write_area_frames = wbuf;
-        fl->copy_area = d.areas[1];
+        fl->copy_area = d->areas[1];
         fl->admission = &admission;
         fl->free_when_unpinned = fwu;
         fl->write_buffer_frames = wbuf;
         fl->drops_staged_on_release = 1;
     } else {
-        d.n_areas = 1;
-        d.areas[0] = (struct chm_dev_area){read_ft, 0};
+        d->n_areas = 1;
+        d->areas[0] = (struct chm_dev_area){read_ft, 0};
         fl->rule = CHM_FLUSH_AFTER_DELAY;
         fl->writeback_delay_ns = 30000.0;
-        fl->write_area = d.areas[0];
+        fl->write_area = d->areas[0];
         fl->write_area_frames = reads;
     }
     uint32_t *held_frames[HELD] = {0};
@@ -415,14 +436,14 @@ static void stress_ops(const char *name, int split, uint32_t frames, long steps)
         int rc = CHM_OK;
         switch (rnd(9)) {
         case 0: case 1:
-            rc = chm_dev_write(&d, addr, len, now, 1, &w);
+            rc = chm_dev_write(d, addr, len, now, 1, &w);
             if (rc == CHM_WRITE_REFUSED || rc == CHM_WRITE_TOO_BIG || rc == CHM_NO_FRAME)
                 rc = CHM_OK;
             break;
         case 2:  /* Controller.read: the tick, then (one area) the read */
-            rc = chm_dev_tick(&d, now, 0) < 0 ? CHM_E_NOMEM : CHM_OK;
+            rc = chm_dev_tick(d, now, 0) < 0 ? CHM_E_NOMEM : CHM_OK;
             if (!split && rc == CHM_OK) {
-                int64_t n = chm_dev_read(&d, addr, len, now, 1, out4);
+                int64_t n = chm_dev_read(d, addr, len, now, 1, out4);
                 if (n < 0 && n != CHM_NO_FRAME)
                     rc = (int)n;
                 if (n > 0 && !(out4[0] >= now))
@@ -434,7 +455,7 @@ static void stress_ops(const char *name, int split, uint32_t frames, long steps)
             if (handle_of[k]) {  /* release it */
                 struct chm_pf_object obj;
                 chm_pf_release(pf, handle_of[k], &obj);
-                chm_dev_release_frames(&d, held_frames[k], held_n[k]);
+                chm_dev_release_frames(d, held_frames[k], held_n[k]);
                 free(held_frames[k]);
                 held_frames[k] = NULL;
                 handle_of[k] = 0;
@@ -445,7 +466,7 @@ static void stress_ops(const char *name, int split, uint32_t frames, long steps)
             if (chm_pf_issue(pf, next_handle, first, pages) != CHM_OK)
                 break;
             held_frames[k] = malloc(pages * sizeof **held_frames);
-            rc = chm_dev_prefetch_fetch(&d, pf, now, held_frames[k], &pr);
+            rc = chm_dev_prefetch_fetch(d, pf, now, held_frames[k], &pr);
             held_n[k] = pr.frames;
             handle_of[k] = next_handle++;
             if (rc == CHM_NO_FRAME)
@@ -453,20 +474,20 @@ static void stress_ops(const char *name, int split, uint32_t frames, long steps)
             break;
         }
         case 4: case 5:
-            rc = chm_dev_run_until(&d, now - 50000.0, now, &ran, &t);
+            rc = chm_dev_run_until(d, now - 50000.0, now, &ran, &t);
             break;
         case 6:
-            if (chm_dev_next_event(&d, now, &t) && !(t >= now))
+            if (chm_dev_next_event(d, now, &t) && !(t >= now))
                 FAIL("ops %s step %ld: an event before now", name, i);
-            if (!(chm_dev_quiet_until(&d, now) >= now) && fl->n_flights == 0)
+            if (!(chm_dev_quiet_until(d, now) >= now) && fl->n_flights == 0)
                 FAIL("ops %s step %ld: quiet before now", name, i);
             break;
         case 7:
-            if (!(chm_dev_complete_flights(&d, now) <= now) || (fl->n_flights && !(fl->flights[0].finish > now)))
+            if (!(chm_dev_complete_flights(d, now) <= now) || (fl->n_flights && !(fl->flights[0].finish > now)))
                 FAIL("ops %s step %ld: a flight retired before it landed, or one left that landed", name, i);
             break;
         default:
-            if (rnd(4) == 0 && !(chm_dev_flush(&d, now) >= now))
+            if (rnd(4) == 0 && !(chm_dev_flush(d, now) >= now))
                 FAIL("ops %s step %ld: a flush before now", name, i);
         }
         if (rc < 0)
@@ -477,11 +498,11 @@ static void stress_ops(const char *name, int split, uint32_t frames, long steps)
         if (handle_of[k]) {
             struct chm_pf_object obj;
             chm_pf_release(pf, handle_of[k], &obj);
-            chm_dev_release_frames(&d, held_frames[k], held_n[k]);
+            chm_dev_release_frames(d, held_frames[k], held_n[k]);
         }
         free(held_frames[k]);
     }
-    chm_dev_flush(&d, now);
+    chm_dev_flush(d, now);
     check_flusher(fl, tables, split ? 2 : 1, name, steps);
     if (fl->n_dirty || fl->n_flights || admission.used_pages)
         FAIL("ops %s: %lu dirty, %lu flights, %lu write-buffer pages left after the last flush", name,
@@ -490,11 +511,7 @@ static void stress_ops(const char *name, int split, uint32_t frames, long steps)
         FAIL("ops %s: frames left pinned", name);
     chm_flusher_free(fl);
     chm_pf_free(pf);
-    for (int i = 0; i < SSDS; i++)
-        chm_ssd_free(ssds[i]);
-    free(ready_at);
-    free(io_token);
-    free(write_seq);
+    rig_free(&rig);
     free(queued);
     free(fwu);
     chm_ft_free(read_ft);
