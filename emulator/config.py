@@ -119,6 +119,8 @@ FIELDS: tuple[Field, ...] = (
           doc="the Nth media operation of faults.ops (counted from 1 since open) is the first to fail; 0: none fails"),
     Field("faults", "failing_ops", int, 1, 1 << 62, default=1,
           doc="how many consecutive media operations of faults.ops fail, from faults.first_failing_op on"),
+    Field("faults", "read_delay_ms", float, 0, 60_000, default=0,
+          doc="every media read completes no sooner than this long after it is submitted (a slow disk); 0: off"),
 )
 FIELDS_BY_KEY = {f.key: f for f in FIELDS}
 SECTIONS = tuple(dict.fromkeys(f.section for f in FIELDS))

@@ -851,13 +851,29 @@ class Controller:
         return _tuple_new(PrefetchOutcome, (handle, t + self.cfg.host_link.latency_ns, staged, resident,
                                             self.engine.pages_held))
 
-    def wait(self, handle: int, now: float, timeout_ns: float | None = None) -> float:
-        """Until the object is staged; returns when the host learns it (virtual time)."""
+    def _staged_in_time(self, handle: int, now: float, timeout_ns: float | None) -> Staged:
+        """The staged object behind ``handle``; raises as ``wait`` does for an unknown handle or a modelled
+        staging later than ``now + timeout_ns``."""
         self.engine.get(handle)  # an unknown handle raises here
         staged = self.staged[handle]
         if timeout_ns is not None and staged.ready_at > now + timeout_ns:
             raise ChmError(errno.ETIMEDOUT, f"prefetch handle {handle} not staged within {timeout_ns / 1e6:g} ms "
                                             f"(ready in {(staged.ready_at - now) / 1e6:.3f} ms of modelled time)")
+        return staged
+
+    def wait_would_block(self, handle: int, now: float, timeout_ns: float | None = None) -> bool:
+        """Would ``wait`` block on media reads still in flight (real I/O, data on)? Raises what ``wait`` would
+        raise before that (unknown handle, ETIMEDOUT). Never blocks: a server parks the wait meanwhile."""
+        staged = self._staged_in_time(handle, now, timeout_ns)
+        if not self.data:
+            return False
+        self.media.poll()
+        tokens, landed = self.frames.io_token, self.media.landed
+        return any(tokens[frame] != NO_TOKEN and not landed(tokens[frame]) for frame in staged.frames)
+
+    def wait(self, handle: int, now: float, timeout_ns: float | None = None) -> float:
+        """Until the object is staged; returns when the host learns it (virtual time)."""
+        staged = self._staged_in_time(handle, now, timeout_ns)
         if self.data or self.read_error:  # else nothing to settle, no read failed
             for frame in staged.frames:
                 self.frames.settle(frame)

@@ -57,6 +57,18 @@ class MediaIO:
         if self.backend is not None:
             self.backend.poll()
 
+    def landed(self, token: int) -> bool:
+        """Has the transfer behind ``token`` completed (as of the last ``poll``)? ``wait`` then returns at once."""
+        return self.backend.is_done(token)
+
+    def fileno(self) -> int | None:
+        """A descriptor that polls readable while completions wait to be collected (None: data off)."""
+        return None if self.backend is None else self.backend.fileno()
+
+    def held_back_s(self) -> float | None:
+        """Seconds until the first completion the test-only read delay holds back is due (None: none is)."""
+        return None if self.backend is None else self.backend.held_back_s()
+
     def sync(self) -> None:
         """Make everything written durable (raises the MediaIOError of an fdatasync that fails)."""
         if self.backend is not None:

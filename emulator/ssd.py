@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import heapq
 import os
+import time
 import warnings
 from collections import deque
 from pathlib import Path
@@ -50,7 +52,9 @@ class MediaIOError(ChmError):
 class FaultInjector:
     """Test-only (config ``[faults]``): media operations number ``first_failing_op`` to
     ``first_failing_op + failing_ops - 1`` of the chosen kind complete with ``errno`` instead of
-    being performed, the way a full or failing disk answers. Works without root."""
+    being performed, the way a full or failing disk answers; with ``read_delay_ms`` every read's
+    completion is held back until that long after its submission, the way a slow disk answers.
+    Works without root."""
 
     def __init__(self, cfg: Config):
         f = cfg.faults
@@ -58,6 +62,7 @@ class FaultInjector:
         self.ops = f.ops
         self.first, self.count = f.first_failing_op, f.failing_ops
         self.seen = 0  # media operations of the chosen kind so far
+        self.read_delay_s = f.read_delay_ms / 1e3
 
     def fails(self, opcode: int) -> int:
         """0, or the errno the next operation of ``opcode`` completes with."""
@@ -111,6 +116,8 @@ class SsdBackend:
         self._ops_of: dict[int, tuple[int, int, int, int, int]] = {}  # token -> (opcode, ssd, len, offset, buf), until complete
         self._injected: deque[tuple[int, int]] = deque()  # (token, -errno) completions the fault hook made
         self._results: dict[int, int | MediaIOError] = {}  # completed token -> bytes, or its error
+        self._submitted_at: dict[int, float] = {}  # token -> monotonic submit time (only with a read delay)
+        self._held_back: list[tuple[float, int, int]] = []  # (due, token, res): completions the read delay holds
         self._inflight = 0  # operations in the ring
         self._next_token = 1
         self.bytes_read = self.bytes_written = 0
@@ -159,6 +166,8 @@ class SsdBackend:
         token = self._next_token
         self._next_token += 1
         self._ops_of[token] = (opcode, ssd, length, offset, buf_addr)
+        if self.faults.read_delay_s and opcode == self.READ:
+            self._submitted_at[token] = time.monotonic()
         injected = self.faults.fails(opcode)
         if injected:
             self._injected.append((token, -injected))
@@ -187,7 +196,7 @@ class SsdBackend:
 
     def _reap(self, wait_nr: int) -> None:
         """Record completions; block for at least ``wait_nr`` only if none is at hand and the ring holds some."""
-        got = 0
+        got = self._release_held_back()
         while self._injected:
             self._complete(*self._injected.popleft())
             got += 1
@@ -201,6 +210,10 @@ class SsdBackend:
             self._complete(self._done_buf[i].user_data, self._done_buf[i].res)
 
     def _complete(self, token: int, res: int) -> None:
+        submitted = self._submitted_at.pop(token, None)
+        if submitted is not None and time.monotonic() < submitted + self.faults.read_delay_s:
+            heapq.heappush(self._held_back, (submitted + self.faults.read_delay_s, token, res))
+            return
         opcode, ssd, length, offset, buf = self._ops_of.pop(token)
         if 0 <= res < length:  # short transfer: finish the rest synchronously
             try:
@@ -233,6 +246,24 @@ class SsdBackend:
         self._push()
         self._reap(0)
 
+    def _release_held_back(self) -> int:
+        """Record the completions the read delay held back that are due now; how many."""
+        n = 0
+        now = time.monotonic()
+        while self._held_back and self._held_back[0][0] <= now:
+            _, token, res = heapq.heappop(self._held_back)
+            self._complete(token, res)
+            n += 1
+        return n
+
+    def held_back_s(self) -> float | None:
+        """Seconds until the first held-back completion is due; None if none is held back."""
+        return max(0.0, self._held_back[0][0] - time.monotonic()) if self._held_back else None
+
+    def fileno(self) -> int:
+        """The io_uring's descriptor: it polls readable while completions wait to be reaped."""
+        return self.lib.chm_ring_fd(self._ring)
+
     def is_done(self, token: int) -> bool:
         return token in self._results
 
@@ -243,6 +274,8 @@ class SsdBackend:
             if token not in self._ops_of:
                 raise ChmError(errno.EINVAL, f"unknown media I/O token {token}")
             self._push()
+            if self._held_back and not self._inflight and not self._injected:
+                time.sleep(self.held_back_s())  # only held-back completions are left: nothing to reap
             self._reap(1)
         res = self._results.pop(token)
         if isinstance(res, MediaIOError):
@@ -251,8 +284,10 @@ class SsdBackend:
 
     def wait_all(self) -> None:
         """Until every submitted operation has completed (results stay for their waiters)."""
-        while self._queued or self._inflight or self._injected:
+        while self._queued or self._inflight or self._injected or self._held_back:
             self._push()
+            if self._held_back and not self._inflight and not self._injected:
+                time.sleep(self.held_back_s())
             self._reap(1)
 
     def sync(self) -> None:

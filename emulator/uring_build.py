@@ -4,11 +4,16 @@ Built by ``make`` (``python -m emulator.uring_build``) and, failing that, on
 first import of :mod:`emulator.uring`. Needs Debian's ``liburing-dev``.
 """
 
+import hashlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import cffi
 
-MODULE = "emulator._uring"
+HERE = Path(__file__).resolve().parent
+PREFIX = "_uring_"
 
 CDEF = """
 struct chm_io {
@@ -31,6 +36,7 @@ void chm_ring_close(struct chm_ring *r);
 int  chm_ring_queue(struct chm_ring *r, const struct chm_io *ops, unsigned n);
 int  chm_ring_submit(struct chm_ring *r);
 int  chm_ring_reap(struct chm_ring *r, struct chm_done *out, unsigned max, unsigned wait_nr);
+int  chm_ring_fd(struct chm_ring *r);
 """
 
 SOURCE = r"""
@@ -58,6 +64,12 @@ int chm_ring_open(unsigned depth, struct chm_ring **out)
     }
     *out = r;
     return 0;
+}
+
+/* The ring's file descriptor: poll() says POLLIN while completions wait to be reaped. */
+int chm_ring_fd(struct chm_ring *r)
+{
+    return r->ring.ring_fd;
 }
 
 void chm_ring_close(struct chm_ring *r)
@@ -113,15 +125,27 @@ int chm_ring_reap(struct chm_ring *r, struct chm_done *out, unsigned max, unsign
 }
 """
 
-ffibuilder = cffi.FFI()
-ffibuilder.cdef(CDEF)
-ffibuilder.set_source(MODULE, SOURCE, libraries=["uring"], extra_compile_args=["-O2", "-Wall"])
+CFLAGS = ["-O2", "-Wall"]
+# Named by a digest of its source: a checkout whose source changed builds anew instead of loading a stale one.
+MODULE = "emulator." + PREFIX + hashlib.sha256((CDEF + SOURCE + " ".join(CFLAGS)).encode()).hexdigest()[:12]
 
 
-def build() -> None:
-    """Compile the module next to this file (the repository is the install)."""
-    root = Path(__file__).resolve().parent.parent
-    ffibuilder.compile(tmpdir=str(root), verbose=False)
+def build() -> Path:
+    """Compile in a scratch folder and move the module next to this file (one rename: a concurrent import
+    sees the whole module or none); remove the modules built from earlier sources. Returns its path."""
+    ffibuilder = cffi.FFI()
+    ffibuilder.cdef(CDEF)
+    ffibuilder.set_source(MODULE, SOURCE, libraries=["uring"], extra_compile_args=CFLAGS)
+    with tempfile.TemporaryDirectory(prefix="chm_uring_build_") as scratch:
+        built = Path(ffibuilder.compile(tmpdir=scratch, verbose=False))
+        staged = HERE / f".{os.getpid()}.{built.name}"  # a *.so: ignored by git if left behind
+        shutil.copyfile(built, staged)
+        os.replace(staged, HERE / built.name)
+    current = MODULE.rsplit(".", 1)[1]
+    for old in list(HERE.glob(f"{PREFIX}*.so")) + list(HERE.glob("_uring.*")):
+        if not old.name.startswith(current):
+            old.unlink(missing_ok=True)
+    return HERE / built.name
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ void chm_srv_post(struct chm_srv_qp *s, uint64_t user_data, int64_t res, uint64_
 
 static int has_command(const struct chm_srv_qp *s)
 {
-    return chm_load_acquire(&s->hdr->sq.tail) != s->sq_head && cq_room(s);
+    return !s->parked && chm_load_acquire(&s->hdr->sq.tail) != s->sq_head && cq_room(s);
 }
 
 int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns)
@@ -208,6 +208,10 @@ int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns)
                 return CHM_SRV_YIELD;
         }
         struct chm_srv_qp *q = l->qps[l->turn];
+        if (q->parked) {            /* its wait ends when its media reads land (server.py): not a turn */
+            end_turn(l);
+            continue;
+        }
         if (!l->in_turn) {
             l->in_turn = 1;
             l->budget = (int64_t)l->chunk_bytes;

@@ -28,6 +28,7 @@ struct chm_srv_qp {
     uint32_t batch_next;
     uint32_t batch_len;
     uint32_t has_job;               /* a large command of it is served in pieces (server.py's Job) */
+    uint32_t parked;                /* its prefetch wait waits for media reads: nothing of it runs meanwhile */
     double clock;                   /* its virtual clock: when its last command finished */
     uint64_t commands;
     uint64_t errors;
@@ -73,7 +74,7 @@ int chm_srv_fetch(struct chm_srv_qp *s, struct chm_sqe *out, unsigned max);
 /* Post one completion and wake the client if it sleeps. */
 void chm_srv_post(struct chm_srv_qp *s, uint64_t user_data, int64_t res, uint64_t latency_ns, uint64_t clock_ns);
 
-/* Index of a queue pair with a command and completion room, spinning up to
+/* Index of a queue pair with a command and completion room (and not parked), spinning up to
  * spin_ns for one to appear; -1 if none. */
 int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns);
 
@@ -83,7 +84,7 @@ int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns);
  * CHM_SRV_IDLE once a pass ran nothing and nothing came within spin_ns, or CHM_SRV_YIELD after max_ns.
  * A command is served here only if it is a whole read (no reserved field set, at most chunk_bytes, in
  * the client's buffer) starting before quiet_until that read_hit serves; everything else, errors
- * included, is Python's. */
+ * included, is Python's. A parked client's turns are skipped. */
 int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns);
 
 /* Set the node's sleep flag with a full fence (see chm_wire.h, wake-ups). */

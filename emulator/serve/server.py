@@ -59,6 +59,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 from emulator.config import Config
 from emulator.controller import DRAIN_TIMEOUT_S, Controller
@@ -81,6 +82,7 @@ ATTACH_REQ_SIZE = ffi.sizeof("struct chm_attach_req")
 MAX_BATCH = lib.CHM_SRV_BATCH
 CONTROL_POLL_S = 0.002  # look at the control socket at least this often while busy
 CONTROL_POLL_NS = int(CONTROL_POLL_S * 1e9)
+PARKED_POLL_NS = 50_000  # while a wait is parked, the C loop hands back this often to look at its media reads
 ATTACH_TIMEOUT_S = 2.0  # a half-sent attach request is dropped after this
 PAGE = 4096
 # A read (or a write no write buffer can refuse) longer than this is served one piece per turn,
@@ -119,6 +121,18 @@ def _in_srv(name: str) -> property:
     return property(lambda self: getattr(self.srv, name), lambda self, value: setattr(self.srv, name, value))
 
 
+class ParkedWait(NamedTuple):
+    """A prefetch wait whose object still has media reads in flight: the device serves others meanwhile."""
+    user_data: int
+    handle: int
+    timeout_ns: int   # < 0: none
+    start: float      # the command's virtual start: its finish is computed from it, as if it had not waited
+
+
+class _Park(Exception):
+    """Raised by _execute for a wait that would block on media reads (see ParkedWait)."""
+
+
 class Client:
     """One attached queue pair and what the device keeps about it."""
 
@@ -146,6 +160,7 @@ class Client:
         self.prefetch_handles_limit = prefetch_handles_limit
         self.batch = batch  # commands fetched, not yet run
         self._job: Job | None = None
+        self.parked: ParkedWait | None = None  # its prefetch wait, while the object's media reads are in flight
         self.clock = clock
         self.last_error = ""
 
@@ -315,6 +330,8 @@ class DeviceServer:
         loop.dev = ffi.cast("void *", int(core_ffi.cast("uintptr_t", self.ctl.native_dev)))
         self.wall0 = time.monotonic_ns()
         self.held: list[tuple[float, int, int, Client, int, int, float, float]] = []  # pacing heap
+        self.parked: list[Client] = []  # clients whose prefetch wait waits for media reads, oldest first
+        self._media_fd = self.ctl.media.fileno()  # polled while a wait is parked: a completion wakes us
         self._held_seq = 0
         self.stop_requested = False
         self.poller = select.poll()
@@ -348,6 +365,8 @@ class DeviceServer:
         last_control = time.monotonic()
         try:
             while not self.stop_requested:
+                if self.parked:
+                    self._unpark_landed()
                 if self.native_loop:
                     if self._serve_native() == lib.CHM_SRV_IDLE:
                         self._sleep()
@@ -433,6 +452,10 @@ class DeviceServer:
         retry_s = self.ctl.retry_wait_s()
         if retry_s is not None and self.ctl.dirty:
             waits_ns.append(retry_s * 1e9)
+        if self.parked:  # a media completion wakes us through its descriptor; one the test delay holds back does not
+            held_back_s = self.ctl.media.held_back_s()
+            if held_back_s is not None:
+                waits_ns.append(held_back_s * 1e9)
         if self.pending:
             waits_ns.append(ATTACH_TIMEOUT_S * 1e9)
         return max(0.0, min(waits_ns) / 1e6) if waits_ns else None
@@ -443,6 +466,8 @@ class DeviceServer:
         they have moved about a piece's worth of bytes or reached a large one. True if anything ran."""
         did = False
         for c in self._order:
+            if c.parked is not None:
+                continue  # nothing of it runs before its wait is answered
             if c.job is not None:
                 self._step(c)
                 did = True
@@ -471,7 +496,8 @@ class DeviceServer:
         index when it handed one back)."""
         loop = self._loop
         loop.quiet_until = self.ctl.quiet_until(loop.floor)
-        i = lib.chm_srv_serve(loop, self.spin_ns, CONTROL_POLL_NS)
+        # A parked wait is looked at between calls: while one is, the C loop comes back sooner.
+        i = lib.chm_srv_serve(loop, self.spin_ns, PARKED_POLL_NS if self.parked else CONTROL_POLL_NS)
         if i >= 0:
             c = self._order[i]
             if c.job is not None:  # its next piece is its whole turn
@@ -495,6 +521,9 @@ class DeviceServer:
                 self._step(c)  # its first piece now, the rest on the client's next turns
                 return
             res, finish = self._execute(c, e, start)
+        except _Park:
+            self._park(c, ParkedWait(e.user_data, e.handle, e.timeout_ns, start))
+            return
         except ChmError as exc:
             res, finish = self._failed(c, exc, start, e.timeout_ns if e.opcode == lib.CHM_OP_WAIT else -1)
         except Exception:  # a device bug must not take every client down
@@ -614,7 +643,10 @@ class DeviceServer:
             return issued.handle, issued.ack
         if op == lib.CHM_OP_WAIT:
             self._own(c, e.handle)
-            return 0, ctl.wait(e.handle, start, None if e.timeout_ns < 0 else float(e.timeout_ns))
+            timeout = None if e.timeout_ns < 0 else float(e.timeout_ns)
+            if ctl.wait_would_block(e.handle, start, timeout):
+                raise _Park  # waiting here would hold up every other client until the reads land
+            return 0, ctl.wait(e.handle, start, timeout)
         if op == lib.CHM_OP_RELEASE:
             self._own(c, e.handle)
             finish = ctl.release(e.handle, start)
@@ -635,6 +667,7 @@ class DeviceServer:
         if op == lib.CHM_OP_STATS_JSON:
             snap = ctl.snapshot()
             snap.update(clock_ns=start, clients=len(self.clients), client_id=c.id, last_error=c.last_error,
+                        parked_waits=len(self.parked),
                         prefetch={"share_ppm": c.share_ppm, "pages_held": c.pages_held,
                                   "pages_limit": c.prefetch_pages_limit, "handles_held": len(c.handles),
                                   "handles_limit": c.prefetch_handles_limit})
@@ -676,6 +709,38 @@ class DeviceServer:
         if handle not in c.handles:
             raise ChmError(errno.EINVAL, f"unknown or released prefetch handle {handle}")
 
+    # ---- parked waits ----------------------------------------------------------------
+    def _park(self, c: Client, wait: ParkedWait) -> None:
+        """Answer ``c``'s wait once its object's media reads land; nothing else of ``c`` runs meanwhile."""
+        c.parked = wait
+        c.srv.parked = 1
+        if not self.parked and self._media_fd is not None:
+            self.poller.register(self._media_fd, select.POLLIN)
+        self.parked.append(c)
+
+    def _unpark(self, c: Client) -> None:
+        c.parked = None
+        c.srv.parked = 0
+        self.parked.remove(c)
+        if not self.parked and self._media_fd is not None:
+            self.poller.unregister(self._media_fd)
+
+    def _unpark_landed(self) -> None:
+        """Answer every parked wait whose media reads have landed (or failed)."""
+        for c in list(self.parked):
+            w = c.parked
+            timeout = None if w.timeout_ns < 0 else float(w.timeout_ns)
+            try:
+                if self.ctl.wait_would_block(w.handle, w.start, timeout):
+                    continue
+                res, finish = 0, self.ctl.wait(w.handle, w.start, timeout)
+            except ChmError as exc:
+                res, finish = self._failed(c, exc, w.start, w.timeout_ns)
+            except Exception:  # a device bug must not take every client down
+                res, finish = self._crashed(c, w.start)
+            self._unpark(c)
+            self._complete(c, w.user_data, w.start, res, finish)
+
     # ---- sleeping and the control path ----------------------------------------------
     def _sleep(self) -> None:
         node = self.owner.node
@@ -701,6 +766,8 @@ class DeviceServer:
 
     def _control(self, events) -> None:
         for fd, mask in events:
+            if fd == self._media_fd:
+                continue  # a media completion: the serve loop collects it
             if fd == self.evfd:
                 try:
                     os.eventfd_read(self.evfd)
@@ -925,6 +992,8 @@ class DeviceServer:
                 self.log(f"releasing handle {handle} of client {c.id}: {exc}")
         c.handles.clear()
         c.pages_held = 0
+        if c.parked is not None:
+            self._unpark(c)
         self.held = [h for h in self.held if h[3] is not c]
         heapq.heapify(self.held)
         c.close()

@@ -132,3 +132,73 @@ def test_a_large_read_in_pieces_has_the_modelled_time_of_one_call(server, tmp_pa
     # Charged from each piece's own finish instead, each piece would wait out the link latency again.
     assert slack < (pieces - 1) * cfg.host_link.latency_ns
     c.close()
+
+
+# ---- a prefetch wait waits for the media without holding up the device --------------------------------------------
+
+SLOW_DISK_S = 1.0  # every media read completes this long after it is submitted (test-only fault)
+
+
+@pytest.fixture
+def slow_disk(tmp_path):
+    # lru: a page written stays in DRAM once flushed (hymcache's write buffer lets it go), so reading it is a hit
+    with Server(tmp_path / "media", None, "--policy", "lru", "--set", f"faults.read_delay_ms={SLOW_DISK_S * 1e3:g}") as srv:
+        yield srv
+
+
+def _parked_waits(client, deadline_s: float) -> int:
+    """The device's count of parked waits once it is not 0, or 0 at the deadline; every stats call is answered at
+    once, so a device that waits for the media in the waiter's turn never says 1."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        n = client.stats_json().get("parked_waits", 0)
+        if n:
+            return n
+        time.sleep(0.01)
+    return 0
+
+
+def test_a_prefetch_wait_does_not_hold_up_other_clients(slow_disk):
+    """The defect: a wait for a prefetch whose SSD reads were in flight ran in the device's one thread, so every
+    other client's commands waited for those reads too (a 4 KiB DRAM hit: 12 ms behind a 16 MiB staging)."""
+    page = 65536  # the small profile's page: a whole-page write needs nothing from the media
+    waiter, other = RawClient(slow_disk.node, staging=MiB), RawClient(slow_disk.node, staging=MiB)
+    pattern = bytes(range(256)) * (page // 256)
+    other.staging[:page] = pattern
+    submit_all(other, [dict(user_data=1, opcode=lib.CHM_OP_WRITE, addr=64 * MiB, len=page, buf_offset=0)])
+    assert other.reap(1) == [(1, page)]
+    submit_all(waiter, [dict(user_data=1, opcode=lib.CHM_OP_PREFETCH, addr=0, len=MiB)])
+    ((_, handle),) = waiter.reap(1)
+    assert handle > 0
+    t0 = time.monotonic()
+    submit_all(waiter, [dict(user_data=2, opcode=lib.CHM_OP_WAIT, handle=handle, timeout_ns=-1),
+                        dict(user_data=3, opcode=lib.CHM_OP_NOP)])  # behind the wait: runs after it
+    time.sleep(0.1)  # the device has taken the wait
+    at = MiB // 2  # past what a stats answer overwrites
+    submit_all(other, [dict(user_data=2, opcode=lib.CHM_OP_READ, addr=64 * MiB, len=page, buf_offset=at)])
+    assert other.reap(1, timeout=SLOW_DISK_S / 2) == [(2, page)]  # a DRAM hit, answered while the wait waits
+    assert waiter.hdr.cq.tail == waiter.head & 0xFFFFFFFF, "the wait was answered before the other client's read"
+    assert bytes(other.staging[at:at + page]) == pattern
+    assert other.stats_json()["parked_waits"] == 1
+    assert waiter.reap(2, timeout=30) == [(2, 0), (3, 0)]  # the wait once the reads landed, then what followed it
+    assert time.monotonic() - t0 >= SLOW_DISK_S * 0.9  # the slow disk did hold the staging back
+    assert other.stats_json()["parked_waits"] == 0
+    waiter.close()
+    other.close()
+
+
+def test_a_client_gone_while_its_wait_is_parked_leaves_the_device_serving(slow_disk):
+    waiter, other = RawClient(slow_disk.node, staging=MiB), RawClient(slow_disk.node, staging=MiB)
+    submit_all(waiter, [dict(user_data=1, opcode=lib.CHM_OP_PREFETCH, addr=0, len=MiB)])
+    ((_, handle),) = waiter.reap(1)
+    submit_all(waiter, [dict(user_data=2, opcode=lib.CHM_OP_WAIT, handle=handle, timeout_ns=-1)])
+    assert _parked_waits(other, SLOW_DISK_S / 2) == 1
+    waiter.close()  # gone with its wait parked: its handle is released, the wait forgotten
+    deadline = time.monotonic() + 30
+    while other.stats_json()["clients"] > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = other.stats_json()
+    assert stats["clients"] == 1 and stats["parked_waits"] == 0 and stats["prefetch"]["handles_held"] == 0
+    submit_all(other, [dict(user_data=1, opcode=lib.CHM_OP_READ, addr=2 * MiB, len=4096, buf_offset=0)])
+    assert other.reap(1, timeout=30) == [(1, 4096)]
+    other.close()
