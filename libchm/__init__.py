@@ -277,6 +277,17 @@ class Device:
             timeout = math.ceil(t)
         self._finish(lib.chm_prefetch_wait(self.dev, req, timeout), f"wait for prefetch handle {req}")
 
+    def poll(self, req: int) -> bool:
+        """Is prefetch ``req`` staged, its SSD reads landed? Never waits for them (``wait`` would): True once it
+        is (answered as a ``wait`` without a bound), False while its reads are in flight."""
+        req = _in_range("prefetch handle", req, 1, HANDLE_MAX)
+        ret = lib.chm_prefetch_poll(self.dev, req)
+        if ret == -errno.EAGAIN:
+            self._last_latency_ns = lib.chm_last_latency_ns(self._dev)
+            return False
+        self._finish(ret, f"poll of prefetch handle {req}")
+        return True
+
     def release(self, req: int) -> None:
         req = _in_range("prefetch handle", req, 1, HANDLE_MAX)
         self._finish(lib.chm_prefetch_release(self.dev, req), f"release of prefetch handle {req}")

@@ -50,7 +50,7 @@
 
 /* ---- cdef begin ---- */
 #define CHM_WIRE_MAGIC 0x43484d31
-#define CHM_WIRE_VERSION 3
+#define CHM_WIRE_VERSION 4
 #define CHM_QP_MAGIC 0x43485150
 #define CHM_NAME_MAX 32
 #define CHM_PROFILE_MAX 192
@@ -66,6 +66,10 @@
 #define CHM_OP_STATS 8
 #define CHM_OP_STATS_JSON 9
 #define CHM_OP_MAX 9
+
+/* WAIT flags. LOOK: with the object's media reads still in flight, answer -EAGAIN at once instead of
+ * waiting for them (the modelled-time bound still applies as timeout_ns says). */
+#define CHM_WAIT_LOOK 1
 
 /* Server limits a client's attach request is checked against. */
 #define CHM_MIN_ENTRIES 2
@@ -129,7 +133,7 @@ struct chm_qp_hdr {
 /* A command. Every field is checked by the device; reserved ones must be 0. */
 struct chm_sqe {
     uint8_t  opcode;                /* CHM_OP_* */
-    uint8_t  flags;                 /* must be 0 */
+    uint8_t  flags;                 /* WAIT: 0 or CHM_WAIT_LOOK; others: must be 0 */
     uint16_t rsvd0;                 /* must be 0 */
     uint32_t rsvd1;                 /* must be 0 */
     uint64_t user_data;             /* echoed in the completion */

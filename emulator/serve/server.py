@@ -645,6 +645,8 @@ class DeviceServer:
             self._own(c, e.handle)
             timeout = None if e.timeout_ns < 0 else float(e.timeout_ns)
             if ctl.wait_would_block(e.handle, start, timeout):
+                if e.flags & lib.CHM_WAIT_LOOK:
+                    raise ChmError(errno.EAGAIN, f"prefetch handle {e.handle}: its media reads have not landed yet")
                 raise _Park  # waiting here would hold up every other client until the reads land
             return 0, ctl.wait(e.handle, start, timeout)
         if op == lib.CHM_OP_RELEASE:
@@ -681,7 +683,8 @@ class DeviceServer:
 
     @staticmethod
     def _check_reserved(e) -> None:
-        if e.flags or e.rsvd0 or e.rsvd1 or e.rsvd2:
+        flags = e.flags & ~lib.CHM_WAIT_LOOK if e.opcode == lib.CHM_OP_WAIT else e.flags
+        if flags or e.rsvd0 or e.rsvd1 or e.rsvd2:
             raise ChmError(errno.EINVAL, f"reserved fields must be 0 (flags={e.flags}, rsvd0={e.rsvd0}, "
                                          f"rsvd1={e.rsvd1}, rsvd2={e.rsvd2})")
 

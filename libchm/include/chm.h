@@ -140,6 +140,9 @@ chm_req chm_prefetch_object(chm_dev *dev, chm_addr addr, size_t size);
  * modelled time). 0, -ETIMEDOUT, -EIO (a media read of the object failed),
  * -EINVAL (unknown, released or another handle's request), -ENODEV, -EBADF. */
 int     chm_prefetch_wait(chm_dev *dev, chm_req req, int timeout_ms);
+/* Is the object staged, media reads landed? Never waits for them: 0 (yes; as chm_prefetch_wait
+ * without a bound would answer), -EAGAIN (not yet: ask again), or chm_prefetch_wait's errors. */
+int     chm_prefetch_poll(chm_dev *dev, chm_req req);
 /* Let the device reuse the object's frames. 0, -EINVAL (unknown or
  * released), -ENODEV, -EBADF. */
 int     chm_prefetch_release(chm_dev *dev, chm_req req);

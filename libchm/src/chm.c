@@ -539,6 +539,15 @@ int chm_prefetch_wait(chm_dev *d, chm_req req, int timeout_ms)
     return (int)run_cmd(d, &e);
 }
 
+int chm_prefetch_poll(chm_dev *d, chm_req req)
+{
+    CHECK_DEV(d);
+    if (req <= 0)
+        return -EINVAL;
+    struct chm_sqe e = { .opcode = CHM_OP_WAIT, .flags = CHM_WAIT_LOOK, .handle = req, .timeout_ns = -1 };
+    return (int)run_cmd(d, &e);
+}
+
 int chm_prefetch_release(chm_dev *d, chm_req req)
 {
     CHECK_DEV(d);

@@ -202,3 +202,37 @@ def test_a_client_gone_while_its_wait_is_parked_leaves_the_device_serving(slow_d
     submit_all(other, [dict(user_data=1, opcode=lib.CHM_OP_READ, addr=2 * MiB, len=4096, buf_offset=0)])
     assert other.reap(1, timeout=30) == [(1, 4096)]
     other.close()
+
+
+def test_a_look_at_a_prefetch_answers_at_once(slow_disk):
+    """CHM_WAIT_LOOK (libchm's chm_prefetch_poll): EAGAIN while the object's media reads are in flight, never
+    parked; then 0, as a wait would answer. Other flag bits stay refused."""
+    from libchm import Device
+
+    c = RawClient(slow_disk.node, staging=MiB)
+    submit_all(c, [dict(user_data=1, opcode=lib.CHM_OP_PREFETCH, addr=0, len=MiB)])
+    ((_, handle),) = c.reap(1)
+    t0 = time.monotonic()
+    submit_all(c, [dict(user_data=2, opcode=lib.CHM_OP_WAIT, flags=lib.CHM_WAIT_LOOK, handle=handle, timeout_ns=-1),
+                   dict(user_data=3, opcode=lib.CHM_OP_WAIT, flags=2, handle=handle, timeout_ns=-1)])
+    assert c.reap(2, timeout=SLOW_DISK_S / 2) == [(2, -errno.EAGAIN), (3, -errno.EINVAL)]
+    assert time.monotonic() - t0 < SLOW_DISK_S / 2
+    deadline = time.monotonic() + 30
+    while True:
+        submit_all(c, [dict(user_data=4, opcode=lib.CHM_OP_WAIT, flags=lib.CHM_WAIT_LOOK, handle=handle,
+                            timeout_ns=-1)])
+        ((_, res),) = c.reap(1)
+        if res != -errno.EAGAIN or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert res == 0 and time.monotonic() - t0 >= SLOW_DISK_S * 0.9
+    c.close()
+    with Device(slow_disk.node) as dev:  # the same through libchm
+        h = dev.prefetch(4 * MiB, MiB)
+        assert dev.poll(h) is False
+        dev.wait(h)
+        assert dev.poll(h) is True
+        dev.release(h)
+        with pytest.raises(Exception) as exc:
+            dev.poll(h)
+        assert getattr(exc.value, "errno", None) == errno.EINVAL
