@@ -8,7 +8,9 @@ hits), never fewer than 2 (double buffering). A device that answers EBUSY (its p
 handles are full) leaves the block queued; it is issued again at the next progress (a release, a
 hint, the server's tick), never failed. A worker gets a ``ReadToken`` per staged block
 (``acquire``), reads it (libchm directly on the same machine, ``read`` over ZeroMQ from another
-one) and gives it back (``release``), which moves the window on.
+one) and gives it back (``release``), which moves the window on. Served, the Manager never waits on a
+device: an acquire (or read) whose block is still staging is held by the server, which polls the device
+(``chm_prefetch_poll``) and answers once the block is staged, so one request's staging delays no other call.
 
 A hint may carry the descriptors of the Lookup's own Master lookup: those blocks start staging at once,
 and the Manager's lookup stays the authority (only blocks it confirms are handed out). Served over
@@ -55,7 +57,7 @@ import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import Clock, WallClock
 from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc, DeviceInfo, ReadToken, to
-from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer, TypedClient
+from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer, TypedClient, call_of
 
 LOOKUP_BATCH = 32              # keys per Master lookup, as the worker's Lookup
 WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
@@ -555,8 +557,12 @@ class KVManager:
         if self._caller is not None:
             req.callers.add(self._caller)
 
-    def acquire(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> ReadToken:
-        """A read token once ``key``'s block is staged in device DRAM; ETIMEDOUT past ``timeout_s`` (the clock)."""
+    def acquire(self, request_id: str, key: bytes, timeout_s: float = 10.0, *, look: bool = False) -> ReadToken:
+        """A read token once ``key``'s block is staged in device DRAM; ETIMEDOUT past ``timeout_s`` (the clock).
+
+        ``look``: never wait for the device's SSD reads (``poll``, not ``wait``): with ``timeout_s`` 0 a block
+        still in flight answers ETIMEDOUT at once. The served Manager looks, so one request's staging never
+        holds up the others' calls."""
         request_id, key = _check_request_id(request_id), _check_key(key)
         timeout_s = _check_seconds("timeout_s", timeout_s)
         with self._lock:
@@ -566,8 +572,13 @@ class KVManager:
                 if block.state == QUEUED:
                     self.progress()
                 if block.state == ISSUED:
+                    dev = self.handles[block.loc.device]  # ISSUED: its device has a handle
                     try:
-                        self.handles[block.loc.device].wait(block.handle)  # ISSUED: its device has a handle
+                        if look:
+                            staged = dev.poll(block.handle)
+                        else:
+                            dev.wait(block.handle)
+                            staged = True
                     except ChmError as exc:
                         if exc.errno == errno.ENODEV:
                             self._gone(block.loc.device, exc)  # fails this block and the rest staged there
@@ -576,7 +587,8 @@ class KVManager:
                             block.state, block.error = FAILED, exc
                             self.counters["num_load_errors"] += 1
                     else:
-                        block.state = STAGED
+                        if staged:
+                            block.state = STAGED
                 if block.state == STAGED:
                     self.counters["num_hit_tokens"] += 1
                     self.counters["num_retrieve_requests"] += 1
@@ -589,17 +601,22 @@ class KVManager:
                 if block.state == RELEASED:
                     raise ChmError(errno.ENOENT, f"block {key.hex()} of request {request_id!r} was released")
                 # QUEUED: behind this request's window or the device's (EBUSY). Others' releases move it.
+                # ISSUED (looking only): its SSD reads are in flight.
                 if self.clock.now() >= deadline:
-                    why = (f"its window of {req.window} blocks is held: release earlier blocks"
-                           if req.held >= req.window else "the device's prefetch window is busy (EBUSY)")
+                    if block.state == ISSUED:
+                        why = "staging: its SSD reads are in flight"
+                    elif req.held >= req.window:
+                        why = f"queued: its window of {req.window} blocks is held: release earlier blocks"
+                    else:
+                        why = "queued: the device's prefetch window is busy (EBUSY)"
                     raise ChmError(errno.ETIMEDOUT, f"block {key.hex()} of request {request_id!r} not staged "
-                                                    f"within {timeout_s:g} s (queued: {why})")
+                                                    f"within {timeout_s:g} s ({why})")
                 self._changed.wait(WAIT_STEP_S)
 
-    def read(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> Payload:
+    def read(self, request_id: str, key: bytes, timeout_s: float = 10.0, *, look: bool = False) -> Payload:
         """The remote path: the token's fields and the block's bytes as one zero-copy frame."""
         with self._lock:
-            token = self.acquire(request_id, key, timeout_s)
+            token = self.acquire(request_id, key, timeout_s, look=look)
             data = bytearray(token.length)  # a fresh buffer per block: ZeroMQ sends it after we return
             try:
                 self._handle(token.device).read_into(token.offset, data)
@@ -766,23 +783,44 @@ class _Served:
         self.manager = manager
 
     def __getattr__(self, name):
-        if name == "acquire":  # over ZeroMQ a call never blocks the server: the client polls
-            return lambda request_id, key, timeout_s=0.0: self.manager.acquire(request_id, key, 0.0)
+        # A block not staged yet answers ETIMEDOUT at once, without waiting for the device: the server holds
+        # the call (``hold_s``, see ManagerServer) and asks again, and the client asks again after that.
+        if name == "acquire":
+            return lambda request_id, key, hold_s=0.0: self.manager.acquire(request_id, key, 0.0, look=True)
         if name == "read":
-            return lambda request_id, key, timeout_s=0.0: self.manager.read(request_id, key, 0.0)
+            return lambda request_id, key, hold_s=0.0: self.manager.read(request_id, key, 0.0, look=True)
         if name == "hint":  # answered once staging starts: the Lookup does not wait for our Master round trip
             return lambda request_id, keys, locs=None: self.manager.hint(request_id, keys, locs, confirm_later=True)
         return getattr(self.manager, name)
 
 
+HOLD_MAX_S = 1.0        # longest the server holds an acquire or read whose block is not staged yet
+HELD_POLL_S = 200e-6    # how often the server looks at the device again for the calls it holds
+MAX_HELD = 256          # calls held at once; past it a call answers ETIMEDOUT at once (its client asks again)
+
+
+def _hold_of(frames: list) -> float:
+    """How long the caller lets the server hold this call (acquire/read: their third argument), in [0, HOLD_MAX_S]."""
+    try:
+        method, args = call_of(frames)
+        hold = args[2] if method in ("acquire", "read") and len(args) > 2 else 0.0
+        return min(float(hold), HOLD_MAX_S) if isinstance(hold, (int, float)) and hold > 0 else 0.0
+    except Exception:  # malformed: answered (EINVAL) as any call
+        return 0.0
+
+
 class ManagerServer(RpcServer):
-    """An RpcServer that also notices callers whose connection closed (see the module docstring)."""
+    """An RpcServer that also notices callers whose connection closed (see the module docstring), and holds an
+    acquire or read whose block is still staging: it looks at the device again every HELD_POLL_S and answers
+    once the block is staged, or ETIMEDOUT when the caller's ``hold_s`` has passed. Nothing waits on the device,
+    so one request's staging never holds up the others' calls."""
 
     def __init__(self, manager: KVManager, endpoint: str, *, curve_keys: str | None = None, tick_s: float = 0.02,
                  log: Callable[[str], None] | None = None):
         super().__init__(_Served(manager), MANAGER_METHODS, endpoint, tick=manager.progress, tick_s=tick_s,
                          curve_keys=curve_keys, log=log)
         self.manager = manager
+        self.held: list[tuple[list, float]] = []  # (the call's frames, when to answer ETIMEDOUT), oldest first
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.callers_by_fd: dict[int, set[bytes]] = {}
         if not manager.endpoint:  # registered in process so far: now workers can reach it here
@@ -792,9 +830,12 @@ class ManagerServer(RpcServer):
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        next_tick = 0.0
         try:
             while not self._stop.is_set():
-                if poller.poll(int(self.tick_s * 1000)):
+                if self.held:  # no sub-millisecond poll timeout in ZeroMQ: a short sleep between looks
+                    time.sleep(HELD_POLL_S)
+                if poller.poll(0 if self.held else int(self.tick_s * 1000)):
                     self._disconnects()  # first: an fd closed before a new connection reused it
                     while self.sock.poll(0):
                         frames = self.sock.recv_multipart(copy=False)
@@ -811,12 +852,40 @@ class ManagerServer(RpcServer):
                             self._answer(frames)
                         finally:
                             self.manager._caller = None
-                if self.tick is not None:
+                if self.held:
+                    self._answer_held()
+                if self.tick is not None and time.monotonic() >= next_tick:
                     self.tick()
+                    next_tick = time.monotonic() + (self.tick_s if self.held else 0.0)
         finally:
             self.sock.disable_monitor()
             self.monitor.close(0)
             self.sock.close(0)
+
+    def _answer(self, frames: list) -> None:
+        if len(frames) < 3:
+            return
+        reply, result_frames, err = self._run(frames)
+        hold = _hold_of(frames) if err == errno.ETIMEDOUT and len(self.held) < MAX_HELD else 0.0
+        if hold:
+            self.held.append((frames, time.monotonic() + hold))
+        else:
+            self._send(frames, reply, result_frames)
+
+    def _answer_held(self) -> None:
+        """Ask again for every held call; answer those staged, failed or past their hold."""
+        still = []
+        for frames, until in self.held:
+            self.manager._caller = frames[0].bytes
+            try:
+                reply, result_frames, err = self._run(frames)
+            finally:
+                self.manager._caller = None
+            if err == errno.ETIMEDOUT and time.monotonic() < until:
+                still.append((frames, until))
+            else:
+                self._send(frames, reply, result_frames)
+        self.held = still
 
     def _disconnects(self) -> None:
         while self.monitor.poll(0):
@@ -855,13 +924,16 @@ class ManagerClient(TypedClient):
         deadline = self.clock.now() + timeout_s
         pause = min(FIRST_POLL_S, self.poll_s)  # a block staged soon is asked for again soon
         while True:
+            # the server holds the call until the block is staged, for at most hold_s (well inside our RPC timeout)
+            hold_s = min(max(deadline - self.clock.now(), 0.0), self.rpc.timeout_s / 2)
             try:
-                return self.rpc.call(method, request_id, key, frames=True)
+                return self.rpc.call(method, request_id, key, hold_s, frames=True)
             except RemoteError as exc:
                 if exc.errno != errno.ETIMEDOUT or self.clock.now() >= deadline:
                     raise
-            time.sleep(pause)
-            pause = min(2 * pause, self.poll_s)
+            if hold_s <= 0:
+                time.sleep(pause)
+                pause = min(2 * pause, self.poll_s)
 
     def acquire(self, request_id: str, key: bytes, timeout_s: float = 10.0) -> ReadToken:
         result, _ = self._poll("acquire", request_id, key, timeout_s)

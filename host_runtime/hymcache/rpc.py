@@ -76,6 +76,12 @@ def make_curve_keys(keys_dir: str) -> None:
             zmq.auth.create_certificates(keys_dir, name)
 
 
+def call_of(frames: list) -> tuple[str, list]:
+    """(method, args) of a call as a server receives it (raises on a malformed one)."""
+    method, args = _decode(frames[2].buffer)
+    return method, args
+
+
 class RpcServer:
     """Serve ``methods`` of ``target`` on ``endpoint`` (``tcp://127.0.0.1:PORT``, ``ipc://PATH``;
     ``tcp://127.0.0.1:0`` picks a free port: see ``endpoint`` after start).
@@ -123,10 +129,16 @@ class RpcServer:
     def _answer(self, frames: list) -> None:
         if len(frames) < 3:
             return  # not ours: ignored
-        identity, call_id, header, payload = frames[0], frames[1], frames[2], frames[3:]
+        self._send(frames, *self._run(frames)[:2])
+
+    def _run(self, frames: list) -> tuple[bytes, list, int]:
+        """Call the method ``frames`` (a call of at least 3 frames) names: (the encoded reply, its raw frames,
+        its errno: 0 on success)."""
+        payload = frames[3:]
         result_frames: list = []
+        err = 0
         try:
-            method, args = _decode(header.buffer)
+            method, args = call_of(frames)
             if method not in self.methods:
                 raise ChmError(errno.EINVAL, f"unknown method {method!r}; this server answers: "
                                              f"{', '.join(sorted(self.methods))}")
@@ -136,13 +148,17 @@ class RpcServer:
                 result, result_frames = result.result, result.frames
             reply = _encode((0, result, ""))
         except ChmError as exc:
-            reply = _encode((exc.errno, None, exc.message))
+            err, reply = exc.errno, _encode((exc.errno, None, exc.message))
         except (TypeError, ValueError, msgspec.DecodeError) as exc:  # a malformed call must not end the server
-            reply = _encode((errno.EINVAL, None, f"bad call: {exc}"))
+            err, reply = errno.EINVAL, _encode((errno.EINVAL, None, f"bad call: {exc}"))
         except Exception:
             self.log(f"internal error answering a call:\n{traceback.format_exc()}")
-            reply = _encode((errno.EIO, None, "internal error in the server (see its log)"))
-        self.sock.send_multipart([identity, call_id, reply, *result_frames], copy=False)
+            err, reply = errno.EIO, _encode((errno.EIO, None, "internal error in the server (see its log)"))
+        return reply, result_frames, err
+
+    def _send(self, frames: list, reply: bytes, result_frames: list) -> None:
+        """The answer to the call ``frames``, to its caller."""
+        self.sock.send_multipart([frames[0], frames[1], reply, *result_frames], copy=False)
         self.calls += 1
 
 

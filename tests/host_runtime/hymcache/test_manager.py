@@ -668,3 +668,91 @@ def test_measure_block_paths_reports_both_paths(two_devices):
         assert out[name] > 0
     assert out["block_bytes"] == 1 << 20
     assert master.stats()["removed_blocks"] == 1  # the block removed again
+
+
+SLOW_DISK_S = 1.0  # every media read of the device lands this long after it is submitted (test-only fault)
+
+
+@pytest.fixture
+def slow_served(tmp_path):
+    """A served Manager over one device whose staging reads take SLOW_DISK_S (faults.read_delay_ms)."""
+    with Server(tmp_path / "m", None, "--set", f"faults.read_delay_ms={SLOW_DISK_S * 1e3:g}") as srv:
+        master = Master(ManualClock())
+        mgr = KVManager(0, [srv.node], master, WallClock())
+        server = serve_manager(mgr, "tcp://127.0.0.1:0")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield master, mgr, {0: str(srv.path)}, server
+        finally:
+            server.stop()
+            thread.join(timeout=10)
+            mgr.close()
+
+
+def test_a_block_still_staging_holds_up_no_other_call(slow_served):
+    """The defect: the served acquire waited on the device for the block's SSD reads, so every other worker's
+    call to that Manager (a hint, a release, stats) waited for them too. Now the server holds the acquire,
+    looks at the device again, and answers the others meanwhile."""
+    master, mgr, paths, server = slow_served
+    keys, data, _ = store(master, paths, 1)  # flushed: on the media only, so the hint stages it from the slow disk
+    got = {}
+
+    def worker():
+        with ManagerClient(server.endpoint) as c:
+            c.hint("slow", keys)
+            t0 = time.monotonic()
+            got["token"] = c.acquire("slow", keys[0], 30.0)
+            got["took"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.2)  # its acquire is at the server, the block still staging
+    with ManagerClient(server.endpoint) as other:
+        t0 = time.monotonic()
+        stats = other.stats()
+        assert time.monotonic() - t0 < SLOW_DISK_S / 3, "another caller waited for the staging"
+        assert stats["requests"] == 1 and "token" not in got
+    thread.join(timeout=30)
+    assert got["token"].key == keys[0] and got["took"] >= SLOW_DISK_S * 0.6  # held until the reads landed
+    with libchm.Device(paths[0]) as d:
+        assert d.read(got["token"].offset, got["token"].length) == data[0]
+
+
+def test_a_held_acquire_answers_etimedout_at_the_callers_timeout(slow_served):
+    master, mgr, paths, server = slow_served
+    keys, _, _ = store(master, paths, 1, tag="t")
+    with ManagerClient(server.endpoint) as c:
+        c.hint("late", keys)
+        t0 = time.monotonic()
+        with pytest.raises(ChmError) as exc:
+            c.acquire("late", keys[0], 0.3)
+        took = time.monotonic() - t0
+        assert exc.value.errno == errno.ETIMEDOUT and "SSD reads are in flight" in exc.value.message
+        assert 0.25 <= took < SLOW_DISK_S * 0.8
+        assert c.acquire("late", keys[0], 30.0).key == keys[0]  # asked again, it comes once staged
+
+
+def test_a_flood_of_held_calls_is_bounded(slow_served):
+    """A worker that sends many acquires of a block still staging gets at most MAX_HELD of them held; the rest
+    are answered ETIMEDOUT at once (its client asks again), and other callers are still answered."""
+    import msgspec
+
+    from host_runtime.hymcache.manager import MAX_HELD
+
+    master, mgr, paths, server = slow_served
+    keys, _, _ = store(master, paths, 1, tag="f")
+    flood = MAX_HELD + 40
+    with ManagerClient(server.endpoint) as c, ManagerClient(server.endpoint) as other:
+        c.hint("flood", keys)
+        for _ in range(flood):
+            c.rpc.post("acquire", "flood", keys[0], 30.0)
+        answered = []
+        deadline = time.monotonic() + SLOW_DISK_S / 2
+        while len(answered) < flood - MAX_HELD and c.rpc.sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+            reply = c.rpc.sock.recv_multipart()
+            answered.append(msgspec.msgpack.decode(reply[1])[0])
+        assert answered == [errno.ETIMEDOUT] * (flood - MAX_HELD)
+        assert len(server.held) == MAX_HELD
+        t0 = time.monotonic()
+        assert other.stats()["requests"] == 1 and time.monotonic() - t0 < SLOW_DISK_S / 3
