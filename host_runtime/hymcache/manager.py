@@ -184,6 +184,7 @@ class KVManager:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._caller = None    # set by the served Manager around each call: who is calling
+        self.held_calls = 0    # set by the served Manager: acquires/reads it holds until their block is staged
         # One libchm handle per device, in device order; None while the device is gone (see _gone/_reopen).
         self.handles: list[libchm.Device | None] = []
         self.requests: OrderedDict[str, _Request] = OrderedDict()   # oldest first: issued first
@@ -757,7 +758,7 @@ class KVManager:
                     "prefetch_window_bytes": sum(self.held_bytes), "prefetch_window_bytes_max": self.window_bytes_max,
                     "handles_held": sum(r.held for r in self.requests.values()), "handles_held_max": self.handles_max,
                     "queued_blocks": sum(len(r.blocks) - r.next_issue for r in self.requests.values()),
-                    "window_bytes": self.window_bytes, "devices": per_device}
+                    "window_bytes": self.window_bytes, "held_calls": self.held_calls, "devices": per_device}
 
     def close(self) -> None:
         with self._lock:
@@ -869,6 +870,7 @@ class ManagerServer(RpcServer):
         hold = _hold_of(frames) if err == errno.ETIMEDOUT and len(self.held) < MAX_HELD else 0.0
         if hold:
             self.held.append((frames, time.monotonic() + hold))
+            self.manager.held_calls = len(self.held)
         else:
             self._send(frames, reply, result_frames)
 
@@ -886,6 +888,7 @@ class ManagerServer(RpcServer):
             else:
                 self._send(frames, reply, result_frames)
         self.held = still
+        self.manager.held_calls = len(still)
 
     def _disconnects(self) -> None:
         while self.monitor.poll(0):
