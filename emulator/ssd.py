@@ -194,20 +194,22 @@ class SsdBackend:
             if queued < n:
                 break
 
-    def _reap(self, wait_nr: int) -> None:
-        """Record completions; block for at least ``wait_nr`` only if none is at hand and the ring holds some."""
+    def _reap(self, wait_nr: int) -> int:
+        """Record completions; block for at least ``wait_nr`` only if none is at hand and the ring holds some.
+        Returns how many it recorded."""
         got = self._release_held_back()
         while self._injected:
             self._complete(*self._injected.popleft())
             got += 1
         if not self._inflight:
-            return
+            return got
         n = self.lib.chm_ring_reap(self._ring, self._done_buf, 2 * self.depth, 0 if got else min(wait_nr, self._inflight))
         if n < 0:
             raise ChmError(-n, f"io_uring wait failed: {os.strerror(-n)}")
         self._inflight -= n
         for i in range(n):  # every completion is recorded; nothing here raises
             self._complete(self._done_buf[i].user_data, self._done_buf[i].res)
+        return got + n
 
     def _complete(self, token: int, res: int) -> None:
         submitted = self._submitted_at.pop(token, None)
@@ -242,9 +244,12 @@ class SsdBackend:
         return done
 
     def poll(self) -> None:
-        """Submit what is queued and collect what has completed, without blocking."""
+        """Submit what is queued and collect what has completed, without blocking. It returns with nothing
+        queued outside the ring unless the ring is full: whoever then sleeps until the ring's next completion
+        (``fileno``) never waits on work that was never submitted."""
         self._push()
-        self._reap(0)
+        while self._reap(0) and self._queued:
+            self._push()
 
     def _release_held_back(self) -> int:
         """Record the completions the read delay held back that are due now; how many."""

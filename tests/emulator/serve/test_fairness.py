@@ -236,3 +236,19 @@ def test_a_look_at_a_prefetch_answers_at_once(slow_disk):
         with pytest.raises(Exception) as exc:
             dev.poll(h)
         assert getattr(exc.value, "errno", None) == errno.EINVAL
+
+
+def test_a_parked_wait_on_more_reads_than_the_ring_holds_is_answered(tmp_path):
+    """The defect: reads past the io_uring's depth stayed queued outside the ring when the ones in it had
+    already completed (holes of a sparse file complete at once), so no completion was left to wake the
+    device from its sleep and the parked wait was never answered."""
+    with Server(tmp_path / "media", None, "--set", "emulation.io_queue_depth=4") as srv:
+        c = RawClient(srv.node, staging=MiB)
+        for k in range(3):  # 16 pages of 64 KiB never written: 4 ring loads each
+            submit_all(c, [dict(user_data=1, opcode=lib.CHM_OP_PREFETCH, addr=(k + 1) * 64 * MiB, len=MiB)])
+            ((_, handle),) = c.reap(1)
+            assert handle > 0
+            submit_all(c, [dict(user_data=2, opcode=lib.CHM_OP_WAIT, handle=handle, timeout_ns=-1),
+                           dict(user_data=3, opcode=lib.CHM_OP_RELEASE, handle=handle)])
+            assert c.reap(2, timeout=10) == [(2, 0), (3, 0)]
+        c.close()
