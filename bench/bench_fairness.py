@@ -1,12 +1,16 @@
-"""Fairness of ``chm serve``: a 4 KiB reader next to a 512 MiB reader.
+"""Fairness of ``chm serve``: a 4 KiB reader next to a 512 MiB reader, and next to a client staging objects.
 
 The victim (C, through libchm: bench_libchm.c's ``lat`` mode) times 4 KiB
 reads alone, then with a second client beside it reading 512 MiB at a time
-in a loop; rounds alternate (alone, beside, alone, ...) and the figures are
-medians over rounds. The device serves large reads in pieces round-robin
-with other clients (emulator/serve/server.py, CHUNK_BYTES), so beside the big
-reader the victim waits for at most one piece, not a whole 512 MiB read
-(before that change: p50 373 ms beside it, 7 us alone).
+in a loop, then beside one that stages 16 MiB objects from the SSDs
+(prefetch, wait, release) in a loop; rounds alternate (alone, beside the
+reader, beside the stager, alone, ...) and the figures are medians over
+rounds. The device serves large reads in pieces round-robin with other
+clients (emulator/serve/server.py, CHUNK_BYTES), so beside the big reader the
+victim waits for at most one piece, not a whole 512 MiB read (before that
+change: p50 373 ms beside it, 7 us alone); and it parks a wait whose SSD
+reads are in flight, so beside the stager it waits for none of them (before
+that change: up to a whole staging, ~12 ms at p99).
 
     python -m bench bench_fairness            (or: make bench)
 """
@@ -48,6 +52,49 @@ with Device(sys.argv[1], staging_bytes=size) as dev:
 """
 
 
+# The stager: writes one STAGED_OBJECT-byte object past the device's DRAM (flushed to the SSDs), then prefetches,
+# waits for and releases it in a loop (hymcache drops a staged copy on release, so every prefetch reads the SSDs
+# again); "go" once the first is done.
+STAGED_OBJECT = 16 << 20
+STAGER = """
+import json, os, signal, sys, time
+from libchm import Device
+size, at = int(sys.argv[2]), int(sys.argv[3])
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+with Device(sys.argv[1], staging_bytes=1 << 20) as dev:
+    for off in range(0, size, 1 << 20):
+        dev.write(at + off, os.urandom(1 << 20))
+    dev.flush()
+    def stage():
+        h = dev.prefetch(at, size)
+        dev.wait(h)
+        dev.release(h)
+    stage()
+    print("go", flush=True)
+    n, t0 = 0, time.monotonic()
+    while not stop:
+        stage()
+        n += 1
+    print(json.dumps({"reads": n, "seconds": time.monotonic() - t0}), flush=True)
+"""
+
+
+def _beside(exe: Path, node: str, iters: int, script: str, *args: str) -> tuple[dict, float | None]:
+    """The victim's round while ``script`` runs in another process; and that process's GB/s meanwhile."""
+    other = subprocess.Popen([sys.executable, "-c", script, node, *args], stdout=subprocess.PIPE, text=True,
+                             cwd=HERE.parent)
+    try:
+        if other.stdout.readline().strip() != "go":
+            raise RuntimeError("the other client did not start")
+        got = _victim(exe, node, iters)
+    finally:
+        other.terminate()
+        out, _ = other.communicate(timeout=120)
+    done = json.loads(out.strip().splitlines()[-1])
+    return got, (done["reads"] * int(args[0]) / done["seconds"] / 1e9 if done["reads"] else None)
+
+
 def _victim(exe: Path, node: str, iters: int) -> dict:
     return next(r for r in _run_json([str(exe), "lat", node, str(iters)]) if r["what"] == "libchm_read_4k")
 
@@ -62,7 +109,7 @@ def main(argv: list[str]) -> int:
 
     subprocess.run(["make", "-s", "-C", str(LIBCHM)], check=True)
     work = Path(tempfile.mkdtemp(prefix="chm-bench-", dir="/var/tmp"))
-    alone, beside, big_gbps = [], [], []
+    alone, beside, big_gbps, beside_stager, stager_gbps = [], [], [], [], []
     try:
         exe = work / "bench_libchm"
         subprocess.run(["cc", "-O2", "-Wall", str(HERE / "bench_libchm.c"), "-o", str(exe), f"-I{LIBCHM / 'include'}",
@@ -72,18 +119,13 @@ def main(argv: list[str]) -> int:
         try:
             for _ in range(args.rounds):
                 alone.append(_victim(exe, node, args.iters))
-                big = subprocess.Popen([sys.executable, "-c", AGGRESSOR, node, str(BIG_READ)], stdout=subprocess.PIPE,
-                                       text=True, cwd=HERE.parent)
-                try:
-                    if big.stdout.readline().strip() != "go":
-                        raise RuntimeError("the 512 MiB reader did not start")
-                    beside.append(_victim(exe, node, args.iters))
-                finally:
-                    big.terminate()
-                    out, _ = big.communicate(timeout=120)
-                done = json.loads(out.strip().splitlines()[-1])
-                if done["reads"]:
-                    big_gbps.append(done["reads"] * BIG_READ / done["seconds"] / 1e9)
+                for runs, rates, script, *script_args in (
+                        (beside, big_gbps, AGGRESSOR, str(BIG_READ)),
+                        (beside_stager, stager_gbps, STAGER, str(STAGED_OBJECT), str(1 << 30))):
+                    got, gbps = _beside(exe, node, args.iters, script, *script_args)
+                    runs.append(got)
+                    if gbps is not None:
+                        rates.append(gbps)
         finally:
             serve.stop()
     finally:
@@ -94,11 +136,17 @@ def main(argv: list[str]) -> int:
     print("                                         p50          p99")
     print(f"    alone                            {med(alone, 'p50_ns'):9.1f} us {med(alone, 'p99_ns'):9.1f} us")
     print(f"    beside a 512 MiB reader          {med(beside, 'p50_ns'):9.1f} us {med(beside, 'p99_ns'):9.1f} us")
+    print(f"    beside a {STAGED_OBJECT >> 20} MiB stager            {med(beside_stager, 'p50_ns'):9.1f} us "
+          f"{med(beside_stager, 'p99_ns'):9.1f} us")
     if big_gbps:
         gbps = statistics.median(big_gbps)
         # the bound: a small read waits for at most the one piece in service
         print(f"    the 512 MiB reader meanwhile: {gbps:.2f} GB/s (wall); one {CHUNK_BYTES >> 20} MiB piece at that "
               f"rate: {CHUNK_BYTES / gbps / 1000:.1f} us")
+    if stager_gbps:
+        gbps = statistics.median(stager_gbps)
+        print(f"    the stager meanwhile: {gbps:.2f} GB/s (wall); one whole staging at that rate: "
+              f"{STAGED_OBJECT / gbps / 1000:.1f} us (what a wait in the device's thread would hold the victim up)")
     return 0
 
 
