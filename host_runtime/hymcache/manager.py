@@ -797,7 +797,8 @@ class _Served:
 
 HOLD_MAX_S = 1.0        # longest the server holds an acquire or read whose block is not staged yet
 HELD_POLL_S = 200e-6    # how often the server looks at the device again for the calls it holds
-MAX_HELD = 256          # calls held at once; past it a call answers ETIMEDOUT at once (its client asks again)
+MAX_HELD = 64           # calls held at once (a few per worker); past it a call answers ETIMEDOUT at once and its
+                        # client asks again, so one pass over the held calls stays short
 
 
 def _hold_of(frames: list) -> float:
@@ -875,9 +876,15 @@ class ManagerServer(RpcServer):
             self._send(frames, reply, result_frames)
 
     def _answer_held(self) -> None:
-        """Ask again for every held call; answer those staged, failed or past their hold."""
-        still = []
+        """Ask again for every held call; answer those staged, failed or past their hold. Calls for the same block
+        of the same request look at the device once per pass."""
+        still, not_yet = [], set()
         for frames, until in self.held:
+            method, args = call_of(frames)  # held calls were decoded once already: they are well formed
+            call = (method, *args[:2])  # the request id and the key, not the hold
+            if call in not_yet and time.monotonic() < until:
+                still.append((frames, until))
+                continue
             self.manager._caller = frames[0].bytes
             try:
                 reply, result_frames, err = self._run(frames)
@@ -885,6 +892,7 @@ class ManagerServer(RpcServer):
                 self.manager._caller = None
             if err == errno.ETIMEDOUT and time.monotonic() < until:
                 still.append((frames, until))
+                not_yet.add(call)
             else:
                 self._send(frames, reply, result_frames)
         self.held = still

@@ -756,3 +756,32 @@ def test_a_flood_of_held_calls_is_bounded(slow_served):
         assert len(server.held) == MAX_HELD == other.stats()["held_calls"]
         t0 = time.monotonic()
         assert other.stats()["requests"] == 1 and time.monotonic() - t0 < SLOW_DISK_S / 3
+
+
+def test_held_calls_for_one_block_look_at_the_device_once_per_pass(tmp_path):
+    import msgspec
+    import zmq
+
+    with Server(tmp_path / "m", None, "--set", f"faults.read_delay_ms={SLOW_DISK_S * 1e3:g}") as srv:
+        master = Master(ManualClock())
+        mgr = KVManager(0, [srv.node], master, WallClock())
+        server = serve_manager(mgr, "tcp://127.0.0.1:0")  # not serving: the test drives it
+        try:
+            keys, _, _ = store(master, {0: str(srv.path)}, 2, tag="once")
+            mgr.hint("once", keys)
+            dev = mgr.handles[0]
+            polls = []
+            real_poll = dev.poll
+            dev.poll = lambda handle: polls.append(handle) or real_poll(handle)
+            for i in range(10):  # ten calls for the first block, two for the second
+                key = keys[0] if i < 8 else keys[1]
+                server._answer([zmq.Frame(b"worker"), zmq.Frame(i.to_bytes(8, "little")),
+                                zmq.Frame(msgspec.msgpack.encode(("acquire", ["once", key, 30.0 - i])))])
+            assert len(server.held) == 10 and len(polls) == 10  # each looked once when it came
+            polls.clear()
+            server._answer_held()
+            assert len(server.held) == 10 and sorted(set(polls)) == sorted(polls) and len(polls) == 2
+        finally:
+            server.sock.close(0)
+            server.monitor.close(0)
+            mgr.close()
