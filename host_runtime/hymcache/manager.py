@@ -66,6 +66,7 @@ REQUEST_TIMEOUT_S = 30.0
 MAX_HINT_KEYS = 1 << 16        # 65536 blocks: far past any context (bounds one call's work)
 MAX_REQUEST_ID = 256           # characters
 WAIT_STEP_S = 0.002            # how often a blocked acquire looks again (a poll interval, not a deadline)
+LOOK_STEP_S = 200e-6           # ... at a block whose SSD reads are in flight (the served Manager's held calls too)
 REOPEN_INTERVAL_S = 1.0        # per device: reopen a gone one / look whether a live one was restarted
 
 MANAGER_METHODS = ("hint", "acquire", "read", "write", "release", "finish", "touch", "progress", "stats", "devices")
@@ -561,9 +562,11 @@ class KVManager:
     def acquire(self, request_id: str, key: bytes, timeout_s: float = 10.0, *, look: bool = False) -> ReadToken:
         """A read token once ``key``'s block is staged in device DRAM; ETIMEDOUT past ``timeout_s`` (the clock).
 
-        ``look``: never wait for the device's SSD reads (``poll``, not ``wait``): with ``timeout_s`` 0 a block
-        still in flight answers ETIMEDOUT at once. The served Manager looks, so one request's staging never
-        holds up the others' calls."""
+        ``look``: with ``timeout_s`` 0 a block whose SSD reads are in flight answers ETIMEDOUT at once (the served
+        Manager looks, and holds the call); without it an issued block is waited for whatever ``timeout_s``.
+        A libchm device is never waited on with the lock held: the acquire polls it (``chm_prefetch_poll``) and
+        sleeps on the condition between looks, so other threads' calls, the served Manager's among them, go on
+        meanwhile."""
         request_id, key = _check_request_id(request_id), _check_key(key)
         timeout_s = _check_seconds("timeout_s", timeout_s)
         with self._lock:
@@ -575,9 +578,9 @@ class KVManager:
                 if block.state == ISSUED:
                     dev = self.handles[block.loc.device]  # ISSUED: its device has a handle
                     try:
-                        if look:
+                        if look or hasattr(dev, "poll"):  # a libchm device: never wait on it holding the lock
                             staged = dev.poll(block.handle)
-                        else:
+                        else:  # the simulation's device (virtual time) answers at once
                             dev.wait(block.handle)
                             staged = True
                     except ChmError as exc:
@@ -602,8 +605,10 @@ class KVManager:
                 if block.state == RELEASED:
                     raise ChmError(errno.ENOENT, f"block {key.hex()} of request {request_id!r} was released")
                 # QUEUED: behind this request's window or the device's (EBUSY). Others' releases move it.
-                # ISSUED (looking only): its SSD reads are in flight.
-                if self.clock.now() >= deadline:
+                # ISSUED: its SSD reads are in flight; look again soon (the lock is free meanwhile). As a wait on
+                # the device would, an in-process acquire waits for them whatever its timeout (which bounds
+                # the queueing); a look does not.
+                if self.clock.now() >= deadline and (look or block.state != ISSUED):
                     if block.state == ISSUED:
                         why = "staging: its SSD reads are in flight"
                     elif req.held >= req.window:
@@ -612,7 +617,7 @@ class KVManager:
                         why = "queued: the device's prefetch window is busy (EBUSY)"
                     raise ChmError(errno.ETIMEDOUT, f"block {key.hex()} of request {request_id!r} not staged "
                                                     f"within {timeout_s:g} s ({why})")
-                self._changed.wait(WAIT_STEP_S)
+                self._changed.wait(LOOK_STEP_S if block.state == ISSUED else WAIT_STEP_S)
 
     def read(self, request_id: str, key: bytes, timeout_s: float = 10.0, *, look: bool = False) -> Payload:
         """The remote path: the token's fields and the block's bytes as one zero-copy frame."""
@@ -796,7 +801,6 @@ class _Served:
 
 
 HOLD_MAX_S = 1.0        # longest the server holds an acquire or read whose block is not staged yet
-HELD_POLL_S = 200e-6    # how often the server looks at the device again for the calls it holds
 MAX_HELD = 64           # calls held at once (a few per worker); past it a call answers ETIMEDOUT at once and its
                         # client asks again, so one pass over the held calls stays short
 
@@ -813,7 +817,7 @@ def _hold_of(frames: list) -> float:
 
 class ManagerServer(RpcServer):
     """An RpcServer that also notices callers whose connection closed (see the module docstring), and holds an
-    acquire or read whose block is still staging: it looks at the device again every HELD_POLL_S and answers
+    acquire or read whose block is still staging: it looks at the device again every LOOK_STEP_S and answers
     once the block is staged, or ETIMEDOUT when the caller's ``hold_s`` has passed. Nothing waits on the device,
     so one request's staging never holds up the others' calls."""
 
@@ -836,7 +840,7 @@ class ManagerServer(RpcServer):
         try:
             while not self._stop.is_set():
                 if self.held:  # no sub-millisecond poll timeout in ZeroMQ: a short sleep between looks
-                    time.sleep(HELD_POLL_S)
+                    time.sleep(LOOK_STEP_S)
                 if poller.poll(0 if self.held else int(self.tick_s * 1000)):
                     self._disconnects()  # first: an fd closed before a new connection reused it
                     while self.sock.poll(0):

@@ -785,3 +785,22 @@ def test_held_calls_for_one_block_look_at_the_device_once_per_pass(tmp_path):
             server.sock.close(0)
             server.monitor.close(0)
             mgr.close()
+
+
+def test_an_in_process_acquire_leaves_the_manager_to_other_threads_while_it_waits(slow_served):
+    """In process, an acquire of a block still staging waits without the Manager's lock: the served Manager's
+    thread and other threads go on (before, it waited on the device holding the lock)."""
+    master, mgr, paths, server = slow_served
+    keys, data, _ = store(master, paths, 1, tag="ip")
+    mgr.hint("in-process", keys)
+    got = {}
+    thread = threading.Thread(target=lambda: got.update(token=mgr.acquire("in-process", keys[0], 30.0)))
+    thread.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert mgr.stats()["requests"] == 1
+    with ManagerClient(server.endpoint) as other:
+        assert other.stats()["requests"] == 1
+    assert time.monotonic() - t0 < SLOW_DISK_S / 3 and "token" not in got
+    thread.join(timeout=30)
+    assert got["token"].key == keys[0]
