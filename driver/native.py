@@ -8,9 +8,24 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
+
+
+def compile_into(ffi, folder: Path) -> Path:
+    """Compile the cffi module ``ffi`` describes in a scratch folder and move it into ``folder`` (one rename: a
+    concurrent import sees the whole module or none). Returns its path."""
+    with tempfile.TemporaryDirectory(prefix="chm_build_") as scratch:
+        built = Path(ffi.compile(tmpdir=scratch, verbose=False))
+        target = folder / built.name
+        staged = folder / f".{os.getpid()}.{built.name}"  # a *.so: ignored by git if left behind
+        shutil.copyfile(built, staged)
+        os.replace(staged, target)
+    return target
 
 
 def load_or_build(module: str, build: Callable[[], object], lock_path: Path) -> ModuleType:

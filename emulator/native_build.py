@@ -16,12 +16,11 @@ header) compile one planted wrong decision in, as a module of their own:
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import cffi
+
+from driver.native import compile_into
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "native"
@@ -59,15 +58,8 @@ def make_ffi(mutation: str | None = None) -> cffi.FFI:
 
 
 def build(mutation: str | None = None) -> Path:
-    """Compile in a scratch folder and move the module into ``emulator/`` (one rename: a concurrent
-    import sees the whole module or none). Returns its path."""
-    with tempfile.TemporaryDirectory(prefix="chm_core_build_") as scratch:
-        built = Path(make_ffi(mutation).compile(tmpdir=scratch, verbose=False))
-        target = HERE / built.name
-        staged = HERE / f".{os.getpid()}.{built.name}"  # a *.so: ignored by git if left behind
-        shutil.copyfile(built, staged)
-        os.replace(staged, target)
-    return target
+    """Compile the module into ``emulator/`` (``compile_into``). Returns its path."""
+    return compile_into(make_ffi(mutation), HERE)
 
 
 def stale_modules() -> list[Path]:

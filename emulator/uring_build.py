@@ -5,12 +5,11 @@ first import of :mod:`emulator.uring`. Needs Debian's ``liburing-dev``.
 """
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import cffi
+
+from driver.native import compile_into
 
 HERE = Path(__file__).resolve().parent
 PREFIX = "_uring_"
@@ -131,21 +130,17 @@ MODULE = "emulator." + PREFIX + hashlib.sha256((CDEF + SOURCE + " ".join(CFLAGS)
 
 
 def build() -> Path:
-    """Compile in a scratch folder and move the module next to this file (one rename: a concurrent import
-    sees the whole module or none); remove the modules built from earlier sources. Returns its path."""
+    """Compile the module next to this file (``compile_into``); remove the modules built from earlier sources
+    (and the unnamed ``_uring`` build of before). Returns its path."""
     ffibuilder = cffi.FFI()
     ffibuilder.cdef(CDEF)
     ffibuilder.set_source(MODULE, SOURCE, libraries=["uring"], extra_compile_args=CFLAGS)
-    with tempfile.TemporaryDirectory(prefix="chm_uring_build_") as scratch:
-        built = Path(ffibuilder.compile(tmpdir=scratch, verbose=False))
-        staged = HERE / f".{os.getpid()}.{built.name}"  # a *.so: ignored by git if left behind
-        shutil.copyfile(built, staged)
-        os.replace(staged, HERE / built.name)
+    target = compile_into(ffibuilder, HERE)
     current = MODULE.rsplit(".", 1)[1]
     for old in list(HERE.glob(f"{PREFIX}*.so")) + list(HERE.glob("_uring.*")):
         if not old.name.startswith(current):
             old.unlink(missing_ok=True)
-    return HERE / built.name
+    return target
 
 
 if __name__ == "__main__":

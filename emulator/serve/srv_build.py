@@ -11,13 +11,11 @@ on first import of :mod:`emulator.serve.server`.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import cffi
 
+from driver.native import compile_into
 from driver.wire_build import INCLUDE, cdef_of
 
 HERE = Path(__file__).resolve().parent
@@ -49,14 +47,9 @@ def make_ffi() -> cffi.FFI:
 
 
 def build() -> Path:
-    """Compile in a scratch folder and move the module next to this file (one rename: a concurrent import
-    sees the whole module or none); remove the modules built from earlier sources. Returns its path."""
-    with tempfile.TemporaryDirectory(prefix="chm_srv_build_") as scratch:
-        built = Path(make_ffi().compile(tmpdir=scratch, verbose=False))
-        target = HERE / built.name
-        staged = HERE / f".{os.getpid()}.{built.name}"  # a *.so: ignored by git if left behind
-        shutil.copyfile(built, staged)
-        os.replace(staged, target)
+    """Compile the module next to this file (``compile_into``); remove the modules built from earlier sources.
+    Returns its path."""
+    target = compile_into(make_ffi(), HERE)
     current = MODULE.rsplit(".", 1)[1]
     for old in HERE.glob(f"{PREFIX}*.so"):
         if not old.name.startswith(current):
