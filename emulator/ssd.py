@@ -195,13 +195,16 @@ class SsdBackend:
                 break
 
     def _reap(self, wait_nr: int) -> int:
-        """Record completions; block for at least ``wait_nr`` only if none is at hand and the ring holds some.
-        Returns how many it recorded."""
+        """Record completions; block for at least ``wait_nr`` only if none is at hand and the ring, or the test-only
+        read delay, holds some. Returns how many it recorded."""
         got = self._release_held_back()
         while self._injected:
             self._complete(*self._injected.popleft())
             got += 1
         if not self._inflight:
+            if wait_nr and not got and self._held_back:  # only held-back completions are left: nothing to reap
+                time.sleep(self.held_back_s())
+                got = self._release_held_back()
             return got
         n = self.lib.chm_ring_reap(self._ring, self._done_buf, 2 * self.depth, 0 if got else min(wait_nr, self._inflight))
         if n < 0:
@@ -279,8 +282,6 @@ class SsdBackend:
             if token not in self._ops_of:
                 raise ChmError(errno.EINVAL, f"unknown media I/O token {token}")
             self._push()
-            if self._held_back and not self._inflight and not self._injected:
-                time.sleep(self.held_back_s())  # only held-back completions are left: nothing to reap
             self._reap(1)
         res = self._results.pop(token)
         if isinstance(res, MediaIOError):
@@ -291,8 +292,6 @@ class SsdBackend:
         """Until every submitted operation has completed (results stay for their waiters)."""
         while self._queued or self._inflight or self._injected or self._held_back:
             self._push()
-            if self._held_back and not self._inflight and not self._injected:
-                time.sleep(self.held_back_s())
             self._reap(1)
 
     def sync(self) -> None:
