@@ -805,14 +805,16 @@ MAX_HELD = 64           # calls held at once (a few per worker); past it a call 
                         # client asks again, so one pass over the held calls stays short
 
 
-def _hold_of(frames: list) -> float:
-    """How long the caller lets the server hold this call (acquire/read: their third argument), in [0, HOLD_MAX_S]."""
+def _hold_of(frames: list) -> tuple[float, tuple]:
+    """How long the caller lets the server hold this call (acquire/read: their third argument), in [0, HOLD_MAX_S];
+    and what it asks for (method, request id, key: held calls asking the same look at the device once a pass)."""
     try:
         method, args = call_of(frames)
         hold = args[2] if method in ("acquire", "read") and len(args) > 2 else 0.0
-        return min(float(hold), HOLD_MAX_S) if isinstance(hold, (int, float)) and hold > 0 else 0.0
+        hold = min(float(hold), HOLD_MAX_S) if isinstance(hold, (int, float)) and hold > 0 else 0.0
+        return hold, (method, *args[:2])
     except Exception:  # malformed: answered (EINVAL) as any call
-        return 0.0
+        return 0.0, ()
 
 
 class ManagerServer(RpcServer):
@@ -826,7 +828,7 @@ class ManagerServer(RpcServer):
         super().__init__(_Served(manager), MANAGER_METHODS, endpoint, tick=manager.progress, tick_s=tick_s,
                          curve_keys=curve_keys, log=log)
         self.manager = manager
-        self.held: list[tuple[list, float]] = []  # (the call's frames, when to answer ETIMEDOUT), oldest first
+        self.held: list[tuple[list, float, tuple]] = []  # (frames, when to answer ETIMEDOUT, what it asks), oldest first
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.callers_by_fd: dict[int, set[bytes]] = {}
         if not manager.endpoint:  # registered in process so far: now workers can reach it here
@@ -872,9 +874,9 @@ class ManagerServer(RpcServer):
         if len(frames) < 3:
             return
         reply, result_frames, err = self._run(frames)
-        hold = _hold_of(frames) if err == errno.ETIMEDOUT and len(self.held) < MAX_HELD else 0.0
+        hold, call = _hold_of(frames) if err == errno.ETIMEDOUT and len(self.held) < MAX_HELD else (0.0, ())
         if hold:
-            self.held.append((frames, time.monotonic() + hold))
+            self.held.append((frames, time.monotonic() + hold, call))
             self.manager.held_calls = len(self.held)
         else:
             self._send(frames, reply, result_frames)
@@ -883,11 +885,9 @@ class ManagerServer(RpcServer):
         """Ask again for every held call; answer those staged, failed or past their hold. Calls for the same block
         of the same request look at the device once per pass."""
         still, not_yet = [], set()
-        for frames, until in self.held:
-            method, args = call_of(frames)  # held calls were decoded once already: they are well formed
-            call = (method, *args[:2])  # the request id and the key, not the hold
+        for frames, until, call in self.held:
             if call in not_yet and time.monotonic() < until:
-                still.append((frames, until))
+                still.append((frames, until, call))
                 continue
             self.manager._caller = frames[0].bytes
             try:
@@ -895,7 +895,7 @@ class ManagerServer(RpcServer):
             finally:
                 self.manager._caller = None
             if err == errno.ETIMEDOUT and time.monotonic() < until:
-                still.append((frames, until))
+                still.append((frames, until, call))
                 not_yet.add(call)
             else:
                 self._send(frames, reply, result_frames)
