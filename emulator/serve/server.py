@@ -160,7 +160,7 @@ class Client:
         self.prefetch_handles_limit = prefetch_handles_limit
         self.batch = batch  # commands fetched, not yet run
         self._job: Job | None = None
-        self.parked: ParkedWait | None = None  # its prefetch wait, while the object's media reads are in flight
+        self._parked: ParkedWait | None = None
         self.clock = clock
         self.last_error = ""
 
@@ -173,6 +173,16 @@ class Client:
     def job(self, job: Job | None) -> None:
         self._job = job
         self.srv.has_job = job is not None
+
+    @property
+    def parked(self) -> ParkedWait | None:
+        """Its prefetch wait, while the object's media reads are in flight (the C loop skips it meanwhile)."""
+        return self._parked
+
+    @parked.setter
+    def parked(self, wait: ParkedWait | None) -> None:
+        self._parked = wait
+        self.srv.parked = wait is not None
 
     def buffer(self, offset: int, length: int) -> memoryview:
         """The client's own staging bytes [offset, offset+length), or EFAULT."""
@@ -716,14 +726,12 @@ class DeviceServer:
     def _park(self, c: Client, wait: ParkedWait) -> None:
         """Answer ``c``'s wait once its object's media reads land; nothing else of ``c`` runs meanwhile."""
         c.parked = wait
-        c.srv.parked = 1
         if not self.parked and self._media_fd is not None:
             self.poller.register(self._media_fd, select.POLLIN)
         self.parked.append(c)
 
     def _unpark(self, c: Client) -> None:
         c.parked = None
-        c.srv.parked = 0
         self.parked.remove(c)
         if not self.parked and self._media_fd is not None:
             self.poller.unregister(self._media_fd)
