@@ -30,7 +30,11 @@ from tests.emulator.serve.serving import ROOT, Server
 
 BS = 16
 BLOCK_BYTES = 30 * 2 * BS * 3 * 64 * 4  # SmolLM2: 30 layers x (k, v) x 16 tokens x 3 KV heads x 64 x float32
-TINY_WRITE_BUFFER = ("--set", "policy.write_buffer_fraction=0.004", "--set", "policy.flush_batch_bytes=65536")  # 1 MiB
+# A 1 MiB write buffer that the device flushes only when full (one batch is all of it; no age limit). A block
+# fills less than it, so a store refused within a turn stays refused whatever the scheduler does, and the test
+# drains the buffer between turns.
+TINY_WRITE_BUFFER = ("--set", "policy.write_buffer_fraction=0.004", "--set", "policy.flush_batch_bytes=1048576",
+                     "--set", "policy.flush_max_delay_ns=1e15")
 
 
 class Proc:
@@ -167,8 +171,9 @@ def in_process_set(tmp_path):
 
 
 def run_turns(model, tok, master, manager, prompts_text, *, config=None, wrap_manager=None, turns=3,
-              manager_for_node=None):
-    """Turns through the connector and on the reference; per turn (request, reference request, figures)."""
+              manager_for_node=None, between_turns=None):
+    """Turns through the connector and on the reference; per turn (request, reference request, figures).
+    ``between_turns()`` runs after each turn but the last."""
     sched, worker = connector_pair({"staging_buffer_size": 0.05, **(config or {})}, master=master,
                                    manager_for_node=manager_for_node or (lambda node: wrap_manager or manager))
     engine = PagedEngine(model, chunk_size=BS, num_blocks=64, connector=(sched, worker))
@@ -185,6 +190,8 @@ def run_turns(model, tok, master, manager, prompts_text, *, config=None, wrap_ma
         # whose chunk is computed again
         assert got.steps == ref.steps - got.reused_tokens // BS + (worker.figures[f"t{t}"].load_errors > 0)
         prompt = next_turn_prompt(prompt, got.output_token_ids, "Tell me more about it, please.", tok)
+        if between_turns is not None and t + 1 < turns:
+            between_turns()
     engine.shutdown()
     return out, sched, worker
 
@@ -198,10 +205,15 @@ def engines(model, master, manager):
 
 def test_full_write_buffer_skips_stores_without_delay_and_offers_them_again(smol, in_process_set):
     model, tok = smol
-    master, manager, _ = in_process_set(*TINY_WRITE_BUFFER)
+    master, manager, device = in_process_set(*TINY_WRITE_BUFFER)
+
+    def drain():  # the write buffer empties between turns (here on demand, not by the device's timing)
+        with libchm.Device(device.node) as dev:
+            dev.flush()
+
     turns, sched, worker = run_turns(model, tok, master, manager, "Write a haiku about the sea and the moon, with "
                                      "the waves, the tide, the shore and the night sky in it.",
-                                     turns=2)
+                                     turns=2, between_turns=drain)
     (first, _, fig1, prompt1), (second, _, fig2, _) = turns
     full = len(prompt1) // BS
     assert full >= 3
