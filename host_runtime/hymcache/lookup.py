@@ -10,6 +10,14 @@ overlaps the staging.
 The Master answers the longest stored prefix of each batch, so a batch that comes back short ends
 the request's lookup.
 
+The Lookup remembers the descriptors of its recent Master answers (``KNOWN_LOCATIONS``). A request whose
+first key it knows (a later turn of a conversation this worker served) hints that key's node before the
+Master is asked, with the remembered descriptors of the leading keys on that node: the Manager starts
+staging one Master round trip sooner. Nothing is handed out on a remembered descriptor alone: the Manager
+confirms every one at the Master before it hands the block out, and restages from the Master's answer if
+it differs (a block evicted or moved since). The Lookup's own Master answer still decides the request's
+hits and grants their read leases; it refreshes what is remembered and forgets the key it ends at.
+
 ``start`` and ``poll`` never block: the calls run on one background thread per Lookup, which owns
 its own Master and Manager clients (an RpcClient is one thread's). Requests in flight take turns a
 batch at a time, so a long prompt does not hold up a short one. Deadlines read the injected clock.
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable
 
 from driver.errors import ChmError
@@ -29,6 +37,7 @@ from host_runtime.hymcache.manager import (LOOKUP_BATCH, MAX_HINT_KEYS, WAIT_STE
 from host_runtime.hymcache.messages import BlockLoc, to
 
 LOOKUP_TIMEOUT_S = 10.0  # the connector's blocking_timeout_secs: past it the request recomputes
+KNOWN_LOCATIONS = 1 << 15  # block descriptors remembered from Master answers (512 GiB of 16 MiB blocks)
 
 
 class _Job:
@@ -76,7 +85,8 @@ class Lookup:
         self._closed = False
         self.counters = dict.fromkeys(("num_lookup_requests", "lookup_batches", "num_lookup_tokens",
                                        "num_lookup_hits", "hints_sent", "hint_errors", "lookup_errors",
-                                       "lookup_timeouts"), 0)
+                                       "lookup_timeouts", "early_hints", "early_hints_stale"), 0)
+        self._known: OrderedDict[bytes, BlockLoc] = OrderedDict()  # key -> its last Master descriptor (our thread's)
         self._thread = threading.Thread(target=self._run, name="hymcache-lookup", daemon=True)
         self._thread.start()
 
@@ -191,7 +201,9 @@ class Lookup:
                         master, own = self._open_master()
                         if own:
                             owned.append(master)
+                    early = self._early_hint(managers, master, job) if start == 0 else None
                     found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in master.lookup(batch)]
+                    self._learn(batch, found)
                 except Exception as exc:  # never let one request's failure end the thread (and hang the rest)
                     if not isinstance(exc, ChmError):
                         exc = ChmError(errno.EIO, f"lookup at the Master: {type(exc).__name__}: {exc}")
@@ -202,6 +214,8 @@ class Lookup:
                     continue
                 new_nodes = []
                 with self._cond:
+                    if early is not None and (not found or found[0] != early):
+                        self.counters["early_hints_stale"] += 1  # the Manager restages from the Master's answer
                     self.counters["lookup_batches"] += 1
                     self.counters["num_lookup_tokens"] += len(batch)
                     self.counters["num_lookup_hits"] += len(found)
@@ -224,6 +238,38 @@ class Lookup:
                     client.close()
                 except Exception:
                     pass
+
+    def _early_hint(self, managers: dict, master, job: _Job) -> BlockLoc | None:
+        """Before the request's first Master lookup: hint the node its first key was last seen on, with the
+        remembered descriptors of the leading keys there (the Manager confirms them before handing any out).
+        The remembered descriptor of the first key, or None if it is not known."""
+        first = self._known.get(job.keys[0])
+        if first is None:
+            return None
+        locs = []
+        for key in job.keys[:MAX_HINT_KEYS]:
+            loc = self._known.get(key)
+            if loc is None or loc.node != first.node:
+                break
+            locs.append(loc)
+        with self._cond:
+            if job.cancelled:
+                return None
+            job.hinted.append(first.node)
+            self.counters["early_hints"] += 1
+        self._hint(managers, master, first.node, job.request_id, job.keys, locs)
+        return first
+
+    def _learn(self, batch: list[bytes], found: list[BlockLoc]) -> None:
+        """Remember the Master's descriptors of ``batch``'s hits; forget the key its stored prefix ends at."""
+        known = self._known
+        for loc in found:
+            known[loc.key] = loc
+            known.move_to_end(loc.key)
+        if len(found) < len(batch):
+            known.pop(batch[len(found)], None)
+        while len(known) > KNOWN_LOCATIONS:
+            known.popitem(last=False)
 
     def _hint(self, managers: dict, master, node: int, request_id: str, keys: list[bytes],
               locs: list[BlockLoc]) -> None:
