@@ -83,6 +83,10 @@ MAX_BATCH = lib.CHM_SRV_BATCH
 CONTROL_POLL_S = 0.002  # look at the control socket at least this often while busy
 CONTROL_POLL_NS = int(CONTROL_POLL_S * 1e9)
 PARKED_POLL_NS = 50_000  # while a wait is parked, the C loop hands back this often to look at its media reads
+# After a prefetch wait is answered the device spins at least this long before sleeping: reads of the staged
+# object usually follow (often from another client: a KV Manager stages, its worker reads), and a sleeping
+# device takes a wake-up, tens of microseconds to a millisecond on a virtual machine, to serve them.
+STAGED_SPIN_NS = 500_000
 ATTACH_TIMEOUT_S = 2.0  # a half-sent attach request is dropped after this
 PAGE = 4096
 # A read (or a write no write buffer can refuse) longer than this is served one piece per turn,
@@ -299,6 +303,7 @@ class DeviceServer:
         self.log = log or (lambda msg: print(f"chm serve: {msg}", file=sys.stderr, flush=True))
         self.pacing = pacing
         self.spin_ns = int(spin_us * 1000)
+        self._staged_spin_until = 0  # monotonic ns: spin at least until then (STAGED_SPIN_NS); 0 with --spin-us 0
         self.owner = NodeOwner(node, self.log)
         self.ctl: Controller | None = None
         self.listener: socket.socket | None = None
@@ -395,7 +400,7 @@ class DeviceServer:
                     continue
                 if self.held:
                     self._post_due()
-                if self._order and lib.chm_srv_pending(self._qp_array, len(self._order), self.spin_ns) >= 0:
+                if self._order and lib.chm_srv_pending(self._qp_array, len(self._order), self._spin_ns()) >= 0:
                     continue
                 self._sleep()
                 last_control = time.monotonic()
@@ -507,7 +512,7 @@ class DeviceServer:
         loop = self._loop
         loop.quiet_until = self.ctl.quiet_until(loop.floor)
         # A parked wait is looked at between calls: while one is, the C loop comes back sooner.
-        i = lib.chm_srv_serve(loop, self.spin_ns, PARKED_POLL_NS if self.parked else CONTROL_POLL_NS)
+        i = lib.chm_srv_serve(loop, self._spin_ns(), PARKED_POLL_NS if self.parked else CONTROL_POLL_NS)
         if i >= 0:
             c = self._order[i]
             if c.job is not None:  # its next piece is its whole turn
@@ -520,6 +525,20 @@ class DeviceServer:
                     loop.budget -= e.len
                 self._command(c, e)
         return i
+
+    def _spin_ns(self) -> int:
+        """How long to spin for new commands before sleeping: ``spin_us``, longer just after a staged wait."""
+        if self._staged_spin_until:
+            left = self._staged_spin_until - time.monotonic_ns()
+            if left > self.spin_ns:
+                return left
+            self._staged_spin_until = 0
+        return self.spin_ns
+
+    def _staged(self) -> None:
+        """A prefetch wait was answered: its object's reads are likely next (see STAGED_SPIN_NS)."""
+        if self.spin_ns:
+            self._staged_spin_until = time.monotonic_ns() + STAGED_SPIN_NS
 
     def _command(self, c: Client, e) -> None:
         start = max(c.clock, self._now())
@@ -658,7 +677,9 @@ class DeviceServer:
                 if e.flags & lib.CHM_WAIT_LOOK:
                     raise ChmError(errno.EAGAIN, f"prefetch handle {e.handle}: its media reads have not landed yet")
                 raise _Park  # waiting here would hold up every other client until the reads land
-            return 0, ctl.wait(e.handle, start, timeout)
+            finish = ctl.wait(e.handle, start, timeout)
+            self._staged()
+            return 0, finish
         if op == lib.CHM_OP_RELEASE:
             self._own(c, e.handle)
             finish = ctl.release(e.handle, start)
@@ -745,6 +766,7 @@ class DeviceServer:
                 if self.ctl.wait_would_block(w.handle, w.start, timeout):
                     continue
                 res, finish = 0, self.ctl.wait(w.handle, w.start, timeout)
+                self._staged()
             except ChmError as exc:
                 res, finish = self._failed(c, exc, w.start, w.timeout_ns)
             except Exception:  # a device bug must not take every client down

@@ -180,6 +180,44 @@ def test_idle_server_sleeps(server):
     assert used < 0.02 * (time.monotonic() - t0), f"idle chm serve used {used:.3f} s of CPU"
 
 
+def _first_sleep_after_s(node_path_, limit_s: float = 0.05) -> float:
+    """Seconds until the device's server_sleeping flag first reads 1 (sampled in a tight loop)."""
+    import mmap
+    import struct
+
+    offset = ffi.offsetof("struct chm_node", "server_sleeping")
+    fd = os.open(node_path_, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, ffi.sizeof("struct chm_node"), prot=mmap.PROT_READ) as m:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < limit_s:
+                if struct.unpack_from("<I", m, offset)[0]:
+                    return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return limit_s
+
+
+def test_the_device_stays_awake_a_while_after_a_staged_wait(server):
+    # The staged object's reads usually follow (a KV Manager stages, its worker reads): the device spins
+    # STAGED_SPIN_NS (0.5 ms) after answering the wait instead of spin_us (50 us), so they need no wake-up.
+    import libchm
+
+    with libchm.Device(server.path, staging_bytes=1 << 20) as dev:
+        dev.write(0, b"x" * 4096)
+        after_wait, after_read = [], []
+        for _ in range(5):
+            h = dev.prefetch(0, 4096)
+            dev.wait(h, timeout_ms=10_000)
+            after_wait.append(_first_sleep_after_s(server.path))
+            dev.read(0, 4096)
+            after_read.append(_first_sleep_after_s(server.path))
+            dev.release(h)
+    # the device then sleeps as usual: once within the sampling window after a plain read
+    assert min(after_read) < 0.05, after_read
+    assert min(after_wait) >= 0.3e-3, f"the device slept {min(after_wait) * 1e6:.0f} us after a staged wait"
+
+
 def test_sigterm_with_a_client_attached_still_exits(server):
     c = RawClient(server.node)
     c.push(user_data=1, opcode=lib.CHM_OP_NOP)
