@@ -7,8 +7,11 @@
 (c) One 16 MiB block of an earlier turn loaded on the device's machine:
     Lookup -> KV Manager (hint, prefetch, read token) -> connector (libchm reads of the block's
     pieces into its staging buffer, each copied into the engine's KV as it lands), checksum off and on; beside a bare libchm ``read_into`` of the
-    same block (the floor; goal: >= 0.8 of it with the checksum off). And the ZeroMQ path of a worker
-    on another machine (the block read through the Manager as a zero-copy frame): cost per block.
+    same block (the floor; goal: >= 0.8 of it with the checksum off). The Lookup has seen the block
+    before (it looked it up in the previous round, as a worker did in a conversation's previous turn),
+    so it hints the Manager before asking the Master; a Lookup that remembers nothing shows the first
+    look's way (Master first, then the hint). And the ZeroMQ path of a worker on another machine (the
+    block read through the Manager as a zero-copy frame): cost per block.
 
 Every piece is a real process: ``chm serve`` (the device), ``chm hymcache master`` and
 ``chm hymcache manager``; the worker is this process.
@@ -288,6 +291,7 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
             connectors[checked] = c
         # the Lookup's thread talks through clients of its own (a ZeroMQ socket is one thread's)
         lookup = Lookup(desc["master"], None, WallClock())
+        cold = Lookup(desc["master"], None, WallClock(), known_locations=0)  # remembers no descriptor
         key = os.urandom(KEY_BYTES)
         data = os.urandom(block_bytes)
         checksum = xxhash.xxh3_64_intdigest(data)
@@ -323,13 +327,13 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
             dev.release(h)
             return time.perf_counter() - t0
 
-        def through(checked: bool):
+        def through(checked: bool, lookup=lookup, tag: str = ""):
             conn = connectors[checked]
 
             def run():
                 rid = f"bench-{next(counter)}"
                 t0 = time.perf_counter()
-                lookup.start(rid, [key])                      # Master lookup; hint to the Manager
+                lookup.start(rid, [key])                      # hint to the Manager; Master lookup
                 (hit,) = lookup.result(rid, 30.0)
                 t1 = time.perf_counter()
                 conn.bind_connector_metadata(HyMCacheConnectorMetadata([ReqMeta(rid, LoadSpec([key], [hit], [1]))]))
@@ -337,8 +341,8 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
                 failed = conn.get_block_ids_with_load_errors()
                 conn.clear_connector_metadata()
                 t = time.perf_counter() - t0
-                phases.setdefault(f"lookup_{checked}", []).append(t1 - t0)
-                phases.setdefault(f"load_{checked}", []).append(t - (t1 - t0))
+                phases.setdefault(f"lookup_{tag or checked}", []).append(t1 - t0)
+                phases.setdefault(f"load_{tag or checked}", []).append(t - (t1 - t0))
                 lookup.forget(rid)
                 if failed:
                     raise AssertionError(f"the block failed to load: {conn.counters}")
@@ -370,6 +374,7 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
 
         variants = {"bare_at_rest": at_rest, "bare_staged": staged, "bare_prefetch": prefetched,
                     "connector": through(False), "connector_checked": through(True),
+                    "connector_cold": through(False, cold, "cold"),
                     "zmq": remote(False), "zmq_checked": remote(True)}
         got = _interleaved({name: from_rest(fn) for name, fn in variants.items()}, rounds)
         loaded = torch.stack([kv[name][1] for name in kv]).numpy().tobytes()
@@ -380,6 +385,7 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
     finally:
         if lookup is not None:
             lookup.close()
+            cold.close()
         for c in connectors.values():
             c.shutdown()
         dev.close()
@@ -441,11 +447,13 @@ def main(argv: list[str]) -> int:
                        ("bare libchm prefetch + wait + read_into + release", "bare_prefetch"),
                        ("Lookup -> Manager -> connector -> engine KV, checksum off", "connector"),
                        ("Lookup -> Manager -> connector -> engine KV, checksum on", "connector_checked"),
+                       ("the same, checksum off, a Lookup that remembers nothing", "connector_cold"),
                        ("ZeroMQ path via the Manager (remote worker)", "zmq"),
                        ("ZeroMQ path, checksum on", "zmq_checked")):
         s = blk[key]
         print(f"    {label:<58} {1e3 * s:8.2f} {args.block_bytes / s / 1e9:7.2f} {base / s:8.2f}")
-    print(f"    of the local path (checksum off): Lookup (Master lookup + hint) {1e3 * blk['lookup_False']:.2f} ms, "
+    print(f"    of the local path (checksum off): Lookup (hint + Master lookup) {1e3 * blk['lookup_False']:.2f} ms "
+          f"(remembering nothing: Master lookup, then hint {1e3 * blk['lookup_cold']:.2f} ms), "
           f"connector load (acquire: staged by the Manager's prefetch; reads and copies into KV; release posted) "
           f"{1e3 * blk['load_False']:.2f} ms")
     print(f"    checksum (xxh3) on the local path: {1e3 * (blk['connector_checked'] - blk['connector']):+.2f} ms per "

@@ -59,12 +59,14 @@ class Lookup:
     thread opens its own MasterClient) or a zero-argument factory of one. ``manager_for_node(node)``
     gives the node's Manager (called from the Lookup's thread, once per node); None: a ManagerClient
     to the endpoint the Master's ``nodes()`` names. ``timeout_s`` bounds one request's lookup on
-    ``clock``; past it the request keeps what was found (and ``error`` says ETIMEDOUT).
+    ``clock``; past it the request keeps what was found (and ``error`` says ETIMEDOUT). ``known_locations``:
+    how many Master descriptors it remembers for early hints (0: none, every hint waits for the Master).
     """
 
     def __init__(self, master, manager_for_node: Callable[[int], object] | None = None, clock: Clock | None = None,
                  *, batch: int = LOOKUP_BATCH, timeout_s: float = LOOKUP_TIMEOUT_S, rpc_timeout_s: float = 5.0,
-                 curve_keys: str | None = None, log: Callable[[str], None] | None = None):
+                 curve_keys: str | None = None, log: Callable[[str], None] | None = None,
+                 known_locations: int = KNOWN_LOCATIONS):
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= LOOKUP_BATCH:
             raise ChmError(errno.EINVAL, f"batch {batch!r} is outside the allowed range: an integer in "
                                          f"[1, {LOOKUP_BATCH}]")
@@ -72,7 +74,11 @@ class Lookup:
             raise ChmError(errno.EINVAL, f"master {master!r} must be a Master, a MasterClient endpoint or a factory")
         if manager_for_node is not None and not callable(manager_for_node):
             raise ChmError(errno.EINVAL, f"manager_for_node {manager_for_node!r} must be callable (node -> Manager)")
+        if isinstance(known_locations, bool) or not isinstance(known_locations, int) or known_locations < 0:
+            raise ChmError(errno.EINVAL, f"known_locations {known_locations!r} is outside the allowed range: an "
+                                         "integer >= 0")
         self.batch = batch
+        self.known_locations = known_locations
         self.timeout_s = _check_seconds("timeout_s", timeout_s, allow_zero=False)
         self.rpc_timeout_s = _check_seconds("rpc_timeout_s", rpc_timeout_s, allow_zero=False)
         self.clock = clock or WallClock()
@@ -268,7 +274,7 @@ class Lookup:
             known.move_to_end(loc.key)
         if len(found) < len(batch):
             known.pop(batch[len(found)], None)
-        while len(known) > KNOWN_LOCATIONS:
+        while len(known) > self.known_locations:
             known.popitem(last=False)
 
     def _hint(self, managers: dict, master, node: int, request_id: str, keys: list[bytes],

@@ -123,6 +123,18 @@ def test_a_later_lookup_hints_the_remembered_node_before_asking_the_master():
         assert stats["early_hints"] == 1 and stats["early_hints_stale"] == 0 and stats["hints_sent"] == 2
 
 
+def test_a_lookup_that_remembers_nothing_always_asks_the_master_first():
+    keys = keys_(3)
+    events = []
+    _, lookup = make({k: 0 for k in keys}, events, known_locations=0)
+    with lookup:
+        for rid in ("a", "b"):
+            lookup.start(rid, keys)
+            lookup.result(rid, 10)
+        assert [e[0] for e in events] == ["lookup", "hint", "lookup", "hint"]
+        assert lookup.stats()["early_hints"] == 0
+
+
 def test_a_stale_remembered_node_still_gets_the_masters_node_hinted():
     keys = keys_(3)
     stored = {k: 0 for k in keys}
@@ -144,9 +156,7 @@ def test_a_stale_remembered_node_still_gets_the_masters_node_hinted():
         assert [e[0] if e[0] == "lookup" else (e[0], e[1]) for e in events] == [("hint", 1), "lookup"]
 
 
-def test_a_key_the_master_no_longer_has_is_forgotten(monkeypatch):
-    import host_runtime.hymcache.lookup as lookup_module
-
+def test_a_key_the_master_no_longer_has_is_forgotten():
     keys = keys_(4)
     stored = {k: 0 for k in keys}
     events = []
@@ -162,7 +172,7 @@ def test_a_key_the_master_no_longer_has_is_forgotten(monkeypatch):
         lookup.result("c", 10)
         assert [e[0] for e in events] == ["lookup"]  # nothing hinted before the Master: it was forgotten
         # What is remembered is bounded: the oldest descriptors go first.
-        monkeypatch.setattr(lookup_module, "KNOWN_LOCATIONS", 2)
+        lookup.known_locations = 2
         more = keys_(3)
         stored.update({k: 0 for k in more})
         lookup.start("d", more)
@@ -261,7 +271,9 @@ def test_inputs_are_checked_and_named():
                             (lambda: lookup.result("r", -1), "timeout_s -1"),
                             (lambda: Lookup(ScriptedMaster({}, []), None, ManualClock(), batch=33), "batch 33"),
                             (lambda: Lookup(ScriptedMaster({}, []), None, ManualClock(), timeout_s=0), "timeout_s 0"),
-                            (lambda: Lookup(42, None, ManualClock()), "master 42")]:
+                            (lambda: Lookup(42, None, ManualClock()), "master 42"),
+                            (lambda: Lookup(ScriptedMaster({}, []), None, ManualClock(), known_locations=-1),
+                             "known_locations -1")]:
             with pytest.raises(ChmError) as e:
                 call()
             assert e.value.errno == errno.EINVAL and words in e.value.message, (words, e.value.message)
