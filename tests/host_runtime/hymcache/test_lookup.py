@@ -99,24 +99,31 @@ def test_the_hint_carries_the_masters_descriptors_of_the_batch():
     assert managers[1].locs == found[40:64] and [loc.key for loc in managers[1].locs] == keys[40:64]
 
 
+def calls(events) -> list:
+    """The Master lookups and (hint, node) calls, in order."""
+    return [e[0] if e[0] == "lookup" else (e[0], e[1]) for e in events]
+
+
+def look(lookup, request_id: str, keys: list[bytes]) -> list[BlockLoc]:
+    lookup.start(request_id, keys)
+    return lookup.result(request_id, 10)
+
+
 def test_a_later_lookup_hints_the_remembered_node_before_asking_the_master():
     keys = keys_(40)
     stored = {k: 0 for k in keys[:20]}  # a conversation's earlier turn; its new blocks (20..) come later
     events, managers = [], {}
     master = ScriptedMaster(stored, events)
     with Lookup(master, lambda n: managers.setdefault(n, RecordingManager(n, events)), ManualClock()) as lookup:
-        lookup.start("turn1", keys[:20])
-        first = lookup.result("turn1", 10)
-        assert [e[0] for e in events] == ["lookup", "hint"]  # nothing remembered yet: the Master first
+        first = look(lookup, "turn1", keys[:20])
+        assert calls(events) == ["lookup", ("hint", 0)]  # nothing remembered yet: the Master first
         stored.update({k: 0 for k in keys[20:]})
         events.clear()
-        lookup.start("turn2", keys)
-        found = lookup.result("turn2", 10)
+        found = look(lookup, "turn2", keys)
         # The hint goes out before the Master is asked, with every key of the request and the remembered
         # descriptors of the leading ones (the Manager stages those at once and resolves the rest itself);
         # the Master's answer, naming the same node, sends no second hint.
-        kinds = [e[0] if e[0] == "lookup" else (e[0], e[1]) for e in events]
-        assert kinds == [("hint", 0), "lookup", "lookup"]
+        assert calls(events) == [("hint", 0), "lookup", "lookup"]
         assert events[0][3] == keys and managers[0].locs == first
         assert [loc.key for loc in found] == keys and lookup.hinted_nodes("turn2") == [0]
         stats = lookup.stats()
@@ -128,10 +135,9 @@ def test_a_lookup_that_remembers_nothing_always_asks_the_master_first():
     events = []
     _, lookup = make({k: 0 for k in keys}, events, known_locations=0)
     with lookup:
-        for rid in ("a", "b"):
-            lookup.start(rid, keys)
-            lookup.result(rid, 10)
-        assert [e[0] for e in events] == ["lookup", "hint", "lookup", "hint"]
+        look(lookup, "a", keys)
+        look(lookup, "b", keys)
+        assert calls(events) == ["lookup", ("hint", 0), "lookup", ("hint", 0)]
         assert lookup.stats()["early_hints"] == 0
 
 
@@ -141,19 +147,15 @@ def test_a_stale_remembered_node_still_gets_the_masters_node_hinted():
     events = []
     _, lookup = make(stored, events)
     with lookup:
-        lookup.start("a", keys)
-        lookup.result("a", 10)
+        look(lookup, "a", keys)
         stored.update({k: 1 for k in keys})  # evicted from node 0 and stored again on node 1 since
         events.clear()
-        lookup.start("b", keys)
-        found = lookup.result("b", 10)
-        assert [loc.node for loc in found] == [1, 1, 1]
-        assert [e[0] if e[0] == "lookup" else (e[0], e[1]) for e in events] == [("hint", 0), "lookup", ("hint", 1)]
+        assert [loc.node for loc in look(lookup, "b", keys)] == [1, 1, 1]
+        assert calls(events) == [("hint", 0), "lookup", ("hint", 1)]
         assert lookup.hinted_nodes("b") == [0, 1] and lookup.stats()["early_hints_stale"] == 1
         events.clear()
-        lookup.start("c", keys)  # the Master's answer replaced what was remembered
-        lookup.result("c", 10)
-        assert [e[0] if e[0] == "lookup" else (e[0], e[1]) for e in events] == [("hint", 1), "lookup"]
+        look(lookup, "c", keys)  # the Master's answer replaced what was remembered
+        assert calls(events) == [("hint", 1), "lookup"]
 
 
 def test_a_key_the_master_no_longer_has_is_forgotten():
@@ -162,21 +164,17 @@ def test_a_key_the_master_no_longer_has_is_forgotten():
     events = []
     _, lookup = make(stored, events)
     with lookup:
-        lookup.start("a", keys)
-        lookup.result("a", 10)
+        look(lookup, "a", keys)
         del stored[keys[0]]  # evicted
-        lookup.start("b", keys)
-        assert lookup.result("b", 10) == []
+        assert look(lookup, "b", keys) == []
         events.clear()
-        lookup.start("c", keys)
-        lookup.result("c", 10)
-        assert [e[0] for e in events] == ["lookup"]  # nothing hinted before the Master: it was forgotten
+        look(lookup, "c", keys)
+        assert calls(events) == ["lookup"]  # nothing hinted before the Master: it was forgotten
         # What is remembered is bounded: the oldest descriptors go first.
         lookup.known_locations = 2
         more = keys_(3)
         stored.update({k: 0 for k in more})
-        lookup.start("d", more)
-        lookup.result("d", 10)
+        look(lookup, "d", more)
         assert list(lookup._known) == more[1:]
 
 
