@@ -299,6 +299,7 @@ def _manager(args) -> int:
         # endpoint "": the server registers the node under the address it bound (a free port with --port 0)
         manager = KVManager(args.node, list(args.devices), master, WallClock(), window_bytes=args.window_bytes,
                             endpoint="", log=log)
+        manager.confirm_in_background(args.master, args.timeout, keys)  # a hung Master holds up no call here
         server = _bind(lambda: serve_manager(manager, endpoint, curve_keys=keys, log=log), endpoint)
         public = server.endpoint
         if args.advertise:

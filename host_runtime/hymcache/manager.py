@@ -57,7 +57,7 @@ import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import Clock, WallClock
 from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc, DeviceInfo, ReadToken, to
-from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer, TypedClient, call_of
+from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer, RpcTimeout, TypedClient, call_of
 
 LOOKUP_BATCH = 32              # keys per Master lookup, as the worker's Lookup
 WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
@@ -142,12 +142,23 @@ class _Block:
         self.confirmed = confirmed  # False: from the hint's descriptors, until this Manager's own lookup agrees
 
 
+class _Confirmation:
+    """A request's Master lookups in progress: the hint's keys, asked a batch at a time."""
+    __slots__ = ("keys", "next", "confirmed", "speculated")
+
+    def __init__(self, keys: list[bytes], speculated: bool):
+        self.keys, self.next, self.speculated = keys, 0, speculated  # speculated: staging from the hint's locs
+        self.confirmed: list[BlockLoc] = []  # the Master's answers so far, in order
+
+
 class _Request:
-    __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers", "to_confirm")
+    __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers", "to_confirm",
+                 "confirming")
 
     def __init__(self, request_id: str, caller, now: float):
         self.request_id, self.touched = request_id, now
-        self.to_confirm: list[bytes] | None = None  # the hint's keys, until this Manager's Master lookup ran
+        self.to_confirm: list[bytes] | None = None  # the hint's keys, until this Manager's Master lookup starts
+        self.confirming: _Confirmation | None = None  # ... and while the confirmer's lookups are in flight
         self.callers = set() if caller is None else {caller}  # connections that used it (over ZeroMQ)
         self.blocks: list[_Block] = []     # this node's hits, in consumption order
         self.by_key: dict[bytes, _Block] = {}
@@ -185,6 +196,7 @@ class KVManager:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._caller = None    # set by the served Manager around each call: who is calling
+        self._confirmer: _Confirmer | None = None  # confirm_in_background
         self.held_calls = 0    # set by the served Manager: acquires/reads it holds until their block is staged
         # One libchm handle per device, in device order; None while the device is gone (see _gone/_reopen).
         self.handles: list[libchm.Device | None] = []
@@ -346,8 +358,11 @@ class KVManager:
 
         ``confirm_later`` (with ``locs``): return once the descriptors are staging and confirm them at the next
         ``progress`` or block call, whichever comes first (the served Manager's hint: the Lookup does not wait
-        for this Manager's Master round trip). The count returned is then the descriptors' blocks here; a
-        confirmation that fails cancels the request, so its blocks answer ENOENT and the worker recomputes."""
+        for this Manager's Master round trip). With ``confirm_in_background`` the confirmer's thread confirms
+        it instead, and a block call before that answers ETIMEDOUT (the served Manager holds it). The count
+        returned is then the descriptors' blocks here; a confirmation that fails cancels the request, so its
+        blocks answer ENOENT and the worker recomputes. Without ``locs`` the hint is resolved at the Master
+        before it returns."""
         request_id, keys = _check_request_id(request_id), _check_keys(keys)
         locs = self._check_hint_locs(keys, locs)
         with self._lock:
@@ -366,38 +381,74 @@ class KVManager:
                     raise
             if not (locs and confirm_later):
                 self._confirm(req)
+            elif self._confirmer is not None:
+                self._confirmer.kick()
             self._changed.notify_all()
             return len(req.blocks)
 
     def _confirm(self, req: _Request) -> None:
         """Resolve the hint's keys at the Master and stage the hits here; drop what the Master did not confirm."""
-        keys, req.to_confirm = req.to_confirm, None
-        speculated = any(not block.confirmed for block in req.blocks)
+        state = self._start_confirmation(req)
         try:
-            confirmed: list[BlockLoc] = []
-            for start in range(0, len(keys), self.batch):
-                batch = keys[start:start + self.batch]
-                found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in self.master.lookup(batch)]
-                confirmed.extend(found)
-                self._add_hits(req, found)
-                self._issue(req)  # the first blocks go to the device before the next batch is resolved
-                if len(found) < len(batch):
-                    break  # the stored prefix ends in this batch
-            if speculated and not self._as_confirmed(req, confirmed):
-                self._restart(req, confirmed)
+            while True:
+                found = self.master.lookup(self._next_batch(state))
+                if self._confirmed_batch(req, state, found):
+                    break
         except Exception:
             self._cancel(req)  # the Master unreachable (or a bad answer): nothing of this request stays held
             raise
 
+    def _start_confirmation(self, req: _Request) -> _Confirmation:
+        state = _Confirmation(req.to_confirm, any(not block.confirmed for block in req.blocks))
+        req.to_confirm, req.confirming = None, state
+        return state
+
+    def _next_batch(self, state: _Confirmation) -> list[bytes]:
+        return state.keys[state.next:state.next + self.batch]
+
+    def _confirmed_batch(self, req: _Request, state: _Confirmation, found: list) -> bool:
+        """The Master's answer to the request's next batch: stage its hits here; True once the confirmation is
+        complete (then what the Master did not confirm is dropped)."""
+        found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in found]
+        asked = len(self._next_batch(state))
+        state.confirmed.extend(found)
+        state.next += asked
+        self._add_hits(req, found)
+        self._issue(req)  # the first blocks go to the device before the next batch is resolved
+        if len(found) < asked or state.next >= len(state.keys):  # the stored prefix ends here
+            req.confirming = None
+            if state.speculated and not self._as_confirmed(req, state.confirmed):
+                self._restart(req, state.confirmed)
+            self._changed.notify_all()
+            return True
+        return False
+
+    def _confirm_failed(self, req: _Request, exc: Exception) -> None:
+        """The request's Master lookup failed: cancel it (its blocks answer ENOENT, the worker recomputes)."""
+        self.counters["confirm_errors"] += 1
+        self.log(f"request {req.request_id}: its hint's Master lookup failed ({type(exc).__name__}: "
+                 f"{exc}); cancelled, the worker recomputes")
+        self._cancel(req)
+
+    def confirm_in_background(self, master_endpoint: str, timeout_s: float = 10.0, curve_keys: str | None = None) -> None:
+        """Confirm hints answered before their Master lookup (``hint(confirm_later=True)``) on a thread of their
+        own, every request's lookups in flight at once to ``master_endpoint``, each failing alone after
+        ``timeout_s``: a Master that is slow or gone then holds up no call here, and a restarted one answers
+        the new requests at once (the served Manager does this)."""
+        with self._lock:
+            if self._confirmer is None:
+                self._confirmer = _Confirmer(self, master_endpoint, _check_seconds("timeout_s", timeout_s, False),
+                                             curve_keys)
+
     def _confirm_pending(self) -> None:
         """Confirm every hint that was answered before its Master lookup (``hint(confirm_later=True)``)."""
+        if self._confirmer is not None:
+            return  # its thread does
         for req in [r for r in self.requests.values() if r.to_confirm is not None]:
             try:
                 self._confirm(req)
             except Exception as exc:
-                self.counters["confirm_errors"] += 1
-                self.log(f"request {req.request_id}: its hint's Master lookup failed ({type(exc).__name__}: "
-                         f"{exc}); cancelled, the worker recomputes")
+                self._confirm_failed(req, exc)
 
     def _check_hint_locs(self, keys: list[bytes], locs) -> list[BlockLoc]:
         if locs is None:
@@ -540,13 +591,18 @@ class KVManager:
             self._changed.notify_all()
 
     # ---- blocks to workers ---------------------------------------------------------
-    def _block(self, request_id: str, key: bytes) -> tuple[_Request, _Block]:
+    def _block(self, request_id: str, key: bytes, to_hand_out: bool = True) -> tuple[_Request, _Block]:
         req = self.requests.get(request_id)
         if req is None:
             raise ChmError(errno.ENOENT, f"request_id {request_id!r} has no hint here (never hinted, finished, "
                                          "timed out or its worker disconnected)")
-        if req.to_confirm is not None:  # no block is handed out before the Master confirmed it here
-            self._confirm(req)
+        if to_hand_out and (req.to_confirm is not None or req.confirming is not None):
+            # no block is handed out before the Master confirmed it here
+            if self._confirmer is not None:
+                raise _Unconfirmed(errno.ETIMEDOUT, f"request {request_id!r}: this Manager's Master lookup of its "
+                                                    "hint is in flight")
+            if req.to_confirm is not None:
+                self._confirm(req)
         block = req.by_key.get(key)
         if block is None:
             raise ChmError(errno.ENOENT, f"key {key.hex()} is not a hit of request {request_id!r} on node "
@@ -572,7 +628,13 @@ class KVManager:
         with self._lock:
             deadline = self.clock.now() + timeout_s
             while True:
-                req, block = self._block(request_id, key)
+                try:
+                    req, block = self._block(request_id, key)
+                except _Unconfirmed:
+                    if look or self.clock.now() >= deadline:
+                        raise
+                    self._changed.wait(WAIT_STEP_S)
+                    continue
                 if block.state == QUEUED:
                     self.progress()
                 if block.state == ISSUED:
@@ -662,7 +724,7 @@ class KVManager:
         with self._lock:
             if request_id not in self.requests:
                 return False  # finished or cancelled already: its handles went with it
-            req, block = self._block(request_id, key)
+            req, block = self._block(request_id, key, to_hand_out=False)
             if block.state in (RELEASED, FAILED) or (block.state == STAGED and block.handle == 0):
                 block.state = RELEASED if block.state != FAILED else FAILED
                 return False
@@ -766,6 +828,9 @@ class KVManager:
                     "window_bytes": self.window_bytes, "held_calls": self.held_calls, "devices": per_device}
 
     def close(self) -> None:
+        confirmer, self._confirmer = self._confirmer, None
+        if confirmer is not None:
+            confirmer.close()  # outside the lock: its thread takes it
         with self._lock:
             for req in list(self.requests.values()):
                 self._cancel(req)
@@ -779,6 +844,108 @@ class KVManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Unconfirmed(ChmError):
+    """A block asked for before this Manager's Master lookup of its request's hint has answered."""
+
+
+class _Confirmer:
+    """The Manager's Master lookups of hints it answered first (``KVManager.confirm_in_background``), on a thread
+    with a socket of its own: every request's lookup is in flight at once, and each one that gets no answer
+    within ``timeout_s`` fails alone (its request is cancelled), so a Master that hangs or dies holds up
+    neither the Manager's calls nor the other requests' confirmations."""
+
+    def __init__(self, manager: KVManager, endpoint: str, timeout_s: float, curve_keys: str | None):
+        self.manager, self.endpoint, self.timeout_s, self.curve_keys = manager, endpoint, timeout_s, curve_keys
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hymcache-confirm", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        """There is work: a request to confirm (called under the Manager's lock)."""
+        os.eventfd_write(self._wake, 1)
+
+    def close(self) -> None:
+        self._stopping = True
+        self.kick()
+        self._thread.join(timeout=30)
+        os.close(self._wake)
+
+    def _run(self) -> None:
+        client = RpcClient(self.endpoint, self.timeout_s, curve_keys=self.curve_keys)
+        poller = zmq.Poller()
+        poller.register(client.sock, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        calls: dict[bytes, tuple[_Request, float]] = {}  # call id -> (its request, when it fails: monotonic s)
+        try:
+            while not self._stopping:
+                try:
+                    self._step(client, poller, calls)
+                except Exception as exc:  # never let one bad answer end the thread (every hint would then hang)
+                    self.manager.log(f"confirmer: {type(exc).__name__}: {exc}")
+        finally:
+            client.close()
+
+    def _step(self, client: RpcClient, poller, calls: dict) -> None:
+        """Send the new requests' lookups, wait for an answer, the next request or the first deadline; apply."""
+        self._send_next(client, calls, self._take_new())
+        due = min((d for _, d in calls.values()), default=None)
+        events = dict(poller.poll(None if due is None else max(0.0, 1000 * (due - time.monotonic())) + 1))
+        if self._wake in events:
+            try:
+                os.eventfd_read(self._wake)
+            except BlockingIOError:
+                pass
+        while (got := client.answer()) is not None:
+            call_id, err, result, message = got
+            entry = calls.pop(call_id, None)
+            if entry is not None:  # else the answer came after its call had failed
+                self._send_next(client, calls, self._answered(entry[0], err, result, message))
+        now = time.monotonic()
+        for call_id in [c for c, (_, due) in calls.items() if due <= now]:
+            req, _ = calls.pop(call_id)
+            self._failed(req, RpcTimeout(f"lookup to {self.endpoint}: no answer within {self.timeout_s:g} s"))
+
+    def _take_new(self) -> list[tuple[_Request, list[bytes]]]:
+        """Requests whose confirmation has not started: start it; (request, first batch) of each."""
+        mgr = self.manager
+        with mgr._lock:
+            out = []
+            for req in mgr.requests.values():
+                if req.to_confirm is not None:
+                    out.append((req, mgr._next_batch(mgr._start_confirmation(req))))
+            return out
+
+    def _send_next(self, client: RpcClient, calls: dict, work: list[tuple[_Request, list[bytes]]]) -> None:
+        for req, batch in work:
+            try:
+                calls[client.send("lookup", batch)] = (req, time.monotonic() + self.timeout_s)
+            except ChmError as exc:
+                self._failed(req, exc)
+
+    def _answered(self, req: _Request, err: int, result, message: str) -> list[tuple[_Request, list[bytes]]]:
+        """Apply one lookup's answer; the request's next batch to ask for, if any."""
+        mgr = self.manager
+        with mgr._lock:
+            state = req.confirming
+            if mgr.requests.get(req.request_id) is not req or state is None:
+                return []  # finished, timed out or cancelled meanwhile
+            try:
+                if err:
+                    raise RemoteError(err, f"lookup at {self.endpoint}: {message}")
+                if not mgr._confirmed_batch(req, state, result):
+                    return [(req, mgr._next_batch(state))]
+            except Exception as exc:
+                mgr._confirm_failed(req, exc)
+            return []
+
+    def _failed(self, req: _Request, exc: Exception) -> None:
+        mgr = self.manager
+        with mgr._lock:
+            if mgr.requests.get(req.request_id) is req and req.confirming is not None:
+                mgr._confirm_failed(req, exc)
 
 
 # ---- served over ZeroMQ ---------------------------------------------------------------
@@ -1003,6 +1170,7 @@ def run_manager(node: int, device_nodes: list[str], master_endpoint: str, endpoi
     manager = KVManager(node, device_nodes, master, WallClock(), window_bytes=window_bytes,
                         request_timeout_s=request_timeout_s, endpoint="", log=log)
     try:
+        manager.confirm_in_background(master_endpoint, master_timeout_s, curve_keys)
         server = serve_manager(manager, endpoint, curve_keys, log=log)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -197,8 +197,22 @@ class RpcClient:
     def post(self, method: str, *args) -> None:
         """``method(*args)`` on the server without waiting: for calls whose outcome the caller does not need.
         Its answer is dropped when a later ``call`` reads past it, as a timed-out call's is."""
+        self.send(method, *args)
+
+    def send(self, method: str, *args) -> bytes:
+        """Send ``method(*args)`` without waiting for its answer; its call id (``answer`` gives the answers, for a
+        caller that keeps several calls in flight: never mix it with ``call`` on one client)."""
         call_id = next(self._ids).to_bytes(8, "little")
         self._send(method, [call_id, _encode((method, list(args)))], int(1000 * self.timeout_s))
+        return call_id
+
+    def answer(self) -> tuple[bytes, int, Any, str] | None:
+        """The next answer already received, without waiting: (call id, errno, result, message); None if none."""
+        if not self.sock.poll(0):
+            return None
+        reply = self.sock.recv_multipart(copy=False)
+        err, result, message = _decode(reply[1].buffer)
+        return reply[0].bytes, err, result, message
 
     def _send(self, method: str, frames: list, wait_ms: int) -> None:
         """Send within ``wait_ms``: with no connection to hand a message to (the server never reached, or its

@@ -263,6 +263,75 @@ def test_a_hint_whose_later_confirmation_fails_is_cancelled(two_devices):
         assert e.value.errno == errno.ENOENT
 
 
+class ScriptedMasterEndpoint:
+    """A Master endpoint that answers only what the test tells it to: a ROUTER that records each call."""
+
+    def __init__(self):
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def calls(self, n: int, timeout_s: float = 10.0) -> list:
+        """The next ``n`` calls: (frames, method, args) each."""
+        from host_runtime.hymcache.rpc import call_of
+
+        got = []
+        while len(got) < n:
+            assert self.sock.poll(int(timeout_s * 1000)), f"{len(got)} of {n} calls came"
+            frames = self.sock.recv_multipart(copy=False)
+            got.append((frames, *call_of(frames)))
+        return got
+
+    def answer(self, frames, result) -> None:
+        from host_runtime.hymcache.rpc import _encode
+
+        self.sock.send_multipart([frames[0].bytes, frames[1].bytes, _encode((0, result, ""))])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def test_background_confirmations_are_in_flight_at_once_and_a_hung_master_holds_up_nothing(two_devices):
+    # The served Manager confirms hints on a thread of its own: each request's Master lookup is in flight at
+    # once, an answered one confirms its request while another hangs, and the hung one fails alone at its
+    # timeout; no call waits for the Master meanwhile.
+    master = Master(WallClock())
+    path = str(two_devices[0].path)
+    fake = ScriptedMasterEndpoint()
+    try:
+        with KVManager(0, [two_devices[0].node], master, WallClock(), window_bytes=3 * BLOCK) as mgr:
+            mgr.confirm_in_background(fake.endpoint, timeout_s=1.0)
+            keys_a, _, _ = store(master, {0: path}, 2, tag="a")
+            keys_b, data_b, _ = store(master, {0: path}, 2, tag="b")
+            assert mgr.hint("a", keys_a, master.lookup(keys_a), confirm_later=True) == 2
+            assert mgr.hint("b", keys_b, master.lookup(keys_b)[:1], confirm_later=True) == 1
+            (frames_a, method_a, args_a), (frames_b, method_b, args_b) = fake.calls(2)  # both asked, no answer yet
+            assert (method_a, args_a, method_b, args_b) == ("lookup", [keys_a], "lookup", [keys_b])
+            with pytest.raises(ChmError) as e:  # nothing handed out before the Master confirmed it
+                mgr.acquire("a", keys_a[0], 0, look=True)
+            assert e.value.errno == errno.ETIMEDOUT and "in flight" in e.value.message
+            t0 = time.monotonic()
+            assert mgr.stats()["requests"] == 2 and time.monotonic() - t0 < 0.5  # the Manager answers meanwhile
+            fake.answer(frames_b, master.lookup(keys_b))
+            token = mgr.acquire("b", keys_b[0], 5.0)  # waits for the confirmation, then for the staging
+            with libchm.Device(path) as probe:
+                assert probe.read(token.offset, token.length) == data_b[0]
+            mgr.release("b", keys_b[0])
+            assert "a" in mgr.requests  # still waiting for its answer
+            deadline = time.monotonic() + 10
+            while "a" in mgr.requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert "a" not in mgr.requests and mgr.stats()["confirm_errors"] == 1  # cancelled at 1 s, alone
+            assert "b" in mgr.requests
+            mgr.finish("b")
+            assert pages_held(path) == 0
+    finally:
+        fake.close()
+
+
 def test_bad_hint_descriptors_are_refused(setup):
     master, _, mgr, paths = setup
     keys, _, _ = store(master, paths, 2)
