@@ -20,7 +20,6 @@ eviction runs. Leases (10 s) never end within the sequence in either world (the 
 import os
 import struct
 
-import pytest
 import xxhash
 
 from driver.errors import ChmError

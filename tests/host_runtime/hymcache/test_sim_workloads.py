@@ -121,7 +121,7 @@ def test_the_readers_lengths_are_checked_with_the_line_named(tmp_path, field, va
     path = _trace(tmp_path, [RECORDS[0], dict(RECORDS[0], **{field: value})])
     with pytest.raises(ValueError) as e:
         MooncakeTrace(path, BLOCK, B_TOKENS)
-    assert f":2: not a Mooncake record" in str(e.value) and text in str(e.value)
+    assert ":2: not a Mooncake record" in str(e.value) and text in str(e.value)
 
 
 def test_a_prefix_of_the_shared_mooncake_trace_is_simulated_open_loop():
