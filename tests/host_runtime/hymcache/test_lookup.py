@@ -104,6 +104,12 @@ def calls(events) -> list:
     return [e[0] if e[0] == "lookup" else (e[0], e[1]) for e in events]
 
 
+def scripted(stored: dict) -> tuple[list, Lookup]:
+    """A Lookup on a ScriptedMaster of ``stored`` (key -> node), and the list its calls go to."""
+    events = []
+    return events, make(stored, events)[1]
+
+
 def look(lookup, request_id: str, keys: list[bytes]) -> list[BlockLoc]:
     lookup.start(request_id, keys)
     return lookup.result(request_id, 10)
@@ -144,8 +150,7 @@ def test_a_lookup_that_remembers_nothing_always_asks_the_master_first():
 def test_a_stale_remembered_node_still_gets_the_masters_node_hinted():
     keys = keys_(3)
     stored = {k: 0 for k in keys}
-    events = []
-    _, lookup = make(stored, events)
+    events, lookup = scripted(stored)
     with lookup:
         look(lookup, "a", keys)
         stored.update({k: 1 for k in keys})  # evicted from node 0 and stored again on node 1 since
@@ -161,8 +166,7 @@ def test_a_stale_remembered_node_still_gets_the_masters_node_hinted():
 def test_a_key_the_master_no_longer_has_is_forgotten():
     keys = keys_(4)
     stored = {k: 0 for k in keys}
-    events = []
-    _, lookup = make(stored, events)
+    events, lookup = scripted(stored)
     with lookup:
         look(lookup, "a", keys)
         del stored[keys[0]]  # evicted
