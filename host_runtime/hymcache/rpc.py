@@ -180,9 +180,8 @@ class RpcClient:
     def call(self, method: str, *args, payload: Iterable | None = None, timeout_s: float | None = None,
              frames: bool = False) -> Any:
         """``method(*args)`` on the server; its result (and, with ``frames``, the reply's raw frames)."""
-        call_id = next(self._ids).to_bytes(8, "little")
         wait_ms = int(1000 * (self.timeout_s if timeout_s is None else timeout_s))
-        self._send(method, [call_id, _encode((method, list(args))), *(payload or ())], wait_ms)
+        call_id = self._send(method, args, payload, wait_ms)
         while True:
             if not self.sock.poll(wait_ms):
                 raise RpcTimeout(f"{method} to {self.endpoint}: no answer within {wait_ms} ms")
@@ -202,9 +201,7 @@ class RpcClient:
     def send(self, method: str, *args) -> bytes:
         """Send ``method(*args)`` without waiting for its answer; its call id (``answer`` gives the answers, for a
         caller that keeps several calls in flight: never mix it with ``call`` on one client)."""
-        call_id = next(self._ids).to_bytes(8, "little")
-        self._send(method, [call_id, _encode((method, list(args)))], int(1000 * self.timeout_s))
-        return call_id
+        return self._send(method, args, None, int(1000 * self.timeout_s))
 
     def answer(self) -> tuple[bytes, int, Any, str] | None:
         """The next answer already received, without waiting: (call id, errno, result, message); None if none."""
@@ -214,15 +211,18 @@ class RpcClient:
         err, result, message = _decode(reply[1].buffer)
         return reply[0].bytes, err, result, message
 
-    def _send(self, method: str, frames: list, wait_ms: int) -> None:
-        """Send within ``wait_ms``: with no connection to hand a message to (the server never reached, or its
-        CurveZMQ handshake refused us) a DEALER's send would block for ever."""
+    def _send(self, method: str, args, payload: Iterable | None, wait_ms: int) -> bytes:
+        """Send the call ``method(*args)`` (and ``payload``'s frames) within ``wait_ms``; its call id. With no
+        connection to hand a message to (the server never reached, or its CurveZMQ handshake refused us) a
+        DEALER's send would block for ever."""
+        call_id = next(self._ids).to_bytes(8, "little")
         self.sock.sndtimeo = wait_ms
         try:
-            self.sock.send_multipart(frames, copy=False)
+            self.sock.send_multipart([call_id, _encode((method, list(args))), *(payload or ())], copy=False)
         except zmq.Again:
             raise RpcTimeout(f"{method} to {self.endpoint}: not sent within {wait_ms} ms (no connection to the "
                              "server: down, unreachable, or refusing our CurveZMQ keys)") from None
+        return call_id
 
     def close(self) -> None:
         self.sock.close(0)
