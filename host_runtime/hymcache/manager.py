@@ -143,22 +143,22 @@ class _Block:
 
 
 class _Confirmation:
-    """A request's Master lookups in progress: the hint's keys, asked a batch at a time."""
-    __slots__ = ("keys", "next", "confirmed", "speculated")
+    """A hint's keys, until this Manager's Master lookup has resolved them (a batch at a time)."""
+    __slots__ = ("keys", "next", "confirmed", "speculated", "asked")
 
     def __init__(self, keys: list[bytes], speculated: bool):
         self.keys, self.next, self.speculated = keys, 0, speculated  # speculated: staging from the hint's locs
         self.confirmed: list[BlockLoc] = []  # the Master's answers so far, in order
+        self.asked = False  # its lookups are with the confirmer's thread
 
 
 class _Request:
-    __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers", "to_confirm",
-                 "confirming")
+    __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers",
+                 "confirmation")
 
     def __init__(self, request_id: str, caller, now: float):
         self.request_id, self.touched = request_id, now
-        self.to_confirm: list[bytes] | None = None  # the hint's keys, until this Manager's Master lookup starts
-        self.confirming: _Confirmation | None = None  # ... and while the confirmer's lookups are in flight
+        self.confirmation: _Confirmation | None = None  # until this Manager's Master lookup resolved the hint
         self.callers = set() if caller is None else {caller}  # connections that used it (over ZeroMQ)
         self.blocks: list[_Block] = []     # this node's hits, in consumption order
         self.by_key: dict[bytes, _Block] = {}
@@ -372,13 +372,13 @@ class KVManager:
             self.requests[request_id] = req
             self.counters["hints"] += 1
             self.counters["hinted_keys"] += len(keys)
-            req.to_confirm = keys
             if locs:
                 try:
                     self._speculate(req, locs)
                 except Exception:
                     self._cancel(req)  # nothing of this request stays held
                     raise
+            req.confirmation = _Confirmation(keys, any(not block.confirmed for block in req.blocks))
             if not (locs and confirm_later):
                 self._confirm(req)
             elif self._confirmer is not None:
@@ -388,7 +388,7 @@ class KVManager:
 
     def _confirm(self, req: _Request) -> None:
         """Resolve the hint's keys at the Master and stage the hits here; drop what the Master did not confirm."""
-        state = self._start_confirmation(req)
+        state = req.confirmation
         try:
             while True:
                 found = self.master.lookup(self._next_batch(state))
@@ -397,11 +397,6 @@ class KVManager:
         except Exception:
             self._cancel(req)  # the Master unreachable (or a bad answer): nothing of this request stays held
             raise
-
-    def _start_confirmation(self, req: _Request) -> _Confirmation:
-        state = _Confirmation(req.to_confirm, any(not block.confirmed for block in req.blocks))
-        req.to_confirm, req.confirming = None, state
-        return state
 
     def _next_batch(self, state: _Confirmation) -> list[bytes]:
         return state.keys[state.next:state.next + self.batch]
@@ -416,7 +411,7 @@ class KVManager:
         self._add_hits(req, found)
         self._issue(req)  # the first blocks go to the device before the next batch is resolved
         if len(found) < asked or state.next >= len(state.keys):  # the stored prefix ends here
-            req.confirming = None
+            req.confirmation = None
             if state.speculated and not self._as_confirmed(req, state.confirmed):
                 self._restart(req, state.confirmed)
             self._changed.notify_all()
@@ -444,7 +439,7 @@ class KVManager:
         """Confirm every hint that was answered before its Master lookup (``hint(confirm_later=True)``)."""
         if self._confirmer is not None:
             return  # its thread does
-        for req in [r for r in self.requests.values() if r.to_confirm is not None]:
+        for req in [r for r in self.requests.values() if r.confirmation is not None]:
             try:
                 self._confirm(req)
             except Exception as exc:
@@ -596,13 +591,11 @@ class KVManager:
         if req is None:
             raise ChmError(errno.ENOENT, f"request_id {request_id!r} has no hint here (never hinted, finished, "
                                          "timed out or its worker disconnected)")
-        if to_hand_out and (req.to_confirm is not None or req.confirming is not None):
-            # no block is handed out before the Master confirmed it here
+        if to_hand_out and req.confirmation is not None:  # no block is handed out before the Master confirmed it here
             if self._confirmer is not None:
                 raise _Unconfirmed(errno.ETIMEDOUT, f"request {request_id!r}: this Manager's Master lookup of its "
                                                     "hint is in flight")
-            if req.to_confirm is not None:
-                self._confirm(req)
+            self._confirm(req)
         block = req.by_key.get(key)
         if block is None:
             raise ChmError(errno.ENOENT, f"key {key.hex()} is not a hit of request {request_id!r} on node "
@@ -909,13 +902,15 @@ class _Confirmer:
             self._failed(req, RpcTimeout(f"lookup to {self.endpoint}: no answer within {self.timeout_s:g} s"))
 
     def _take_new(self) -> list[tuple[_Request, list[bytes]]]:
-        """Requests whose confirmation has not started: start it; (request, first batch) of each."""
+        """Requests whose confirmation has not been asked for: (request, first batch) of each."""
         mgr = self.manager
         with mgr._lock:
             out = []
             for req in mgr.requests.values():
-                if req.to_confirm is not None:
-                    out.append((req, mgr._next_batch(mgr._start_confirmation(req))))
+                state = req.confirmation
+                if state is not None and not state.asked:
+                    state.asked = True
+                    out.append((req, mgr._next_batch(state)))
             return out
 
     def _send_next(self, client: RpcClient, calls: dict, work: list[tuple[_Request, list[bytes]]]) -> None:
@@ -929,7 +924,7 @@ class _Confirmer:
         """Apply one lookup's answer; the request's next batch to ask for, if any."""
         mgr = self.manager
         with mgr._lock:
-            state = req.confirming
+            state = req.confirmation
             if mgr.requests.get(req.request_id) is not req or state is None:
                 return []  # finished, timed out or cancelled meanwhile
             try:
@@ -944,7 +939,7 @@ class _Confirmer:
     def _failed(self, req: _Request, exc: Exception) -> None:
         mgr = self.manager
         with mgr._lock:
-            if mgr.requests.get(req.request_id) is req and req.confirming is not None:
+            if mgr.requests.get(req.request_id) is req and req.confirmation is not None:
                 mgr._confirm_failed(req, exc)
 
 
