@@ -281,7 +281,7 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
     # the engine's paged KV: per layer [blocks, k/v, chunk_size tokens, kv heads, head dim]; one block = block_bytes
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 2, chunk, KV_HEADS, HEAD_DIM) for i in range(LAYERS)}
     connectors = {}
-    lookup = None
+    lookup = cold = None
     try:
         for checked in (False, True):
             c = HyMCacheConnector({"chunk_size": chunk, "verify_checksum": checked,
@@ -383,9 +383,9 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
         got.update({name: statistics.median(v) for name, v in phases.items()})
         return got
     finally:
-        if lookup is not None:
-            lookup.close()
-            cold.close()
+        for lk in (lookup, cold):
+            if lk is not None:
+                lk.close()
         for c in connectors.values():
             c.shutdown()
         dev.close()
