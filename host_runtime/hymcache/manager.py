@@ -57,7 +57,8 @@ import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import Clock, WallClock
 from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc, DeviceInfo, ReadToken, to
-from host_runtime.hymcache.rpc import Payload, RemoteError, RpcClient, RpcServer, RpcTimeout, TypedClient, call_of
+from host_runtime.hymcache.rpc import (MAX_BLOCK_BYTES, Payload, RemoteError, RpcClient, RpcServer, RpcTimeout,
+                                       TypedClient, call_of)
 
 LOOKUP_BATCH = 32              # keys per Master lookup, as the worker's Lookup
 WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
@@ -458,6 +459,10 @@ class KVManager:
             if loc.key != keys[i]:
                 raise ChmError(errno.EINVAL, f"locs[{i}] describes key {loc.key.hex()}, not keys[{i}] "
                                              f"{keys[i].hex()}")
+            if min(loc.node, loc.device, loc.offset, loc.length - 1, loc.checksum, loc.version) < 0:  # the rare case
+                for field, low in (("node", 0), ("device", 0), ("offset", 0), ("length", 1), ("checksum", 0),
+                                   ("version", 0)):
+                    _check_int(f"locs[{i}].{field}", getattr(loc, field), low, (1 << 64) - 1)  # MessagePack's uint
         return locs
 
     def _speculate(self, req: _Request, locs: list[BlockLoc]) -> None:
@@ -694,6 +699,7 @@ class KVManager:
         EAGAIN (write buffer full) and ENOSPC pass through: the worker skips the block."""
         with self._lock:
             device = _check_int("device", device, 0, len(self.handles) - 1)
+            offset = _check_int("offset", offset, 0, (1 << 64) - 1)  # past the device's end: its ERANGE
             if not payload or len(payload) != 1:
                 raise ChmError(errno.EINVAL, f"payload must be exactly one frame (the block), got "
                                              f"{len(payload or ())}")
@@ -988,7 +994,7 @@ class ManagerServer(RpcServer):
     def __init__(self, manager: KVManager, endpoint: str, *, curve_keys: str | None = None, tick_s: float = 0.02,
                  log: Callable[[str], None] | None = None):
         super().__init__(_Served(manager), MANAGER_METHODS, endpoint, tick=manager.progress, tick_s=tick_s,
-                         curve_keys=curve_keys, log=log)
+                         curve_keys=curve_keys, log=log, max_frame_bytes=MAX_BLOCK_BYTES)  # blocks travel here
         self.manager = manager
         self.held: list[tuple[list, float, tuple]] = []  # (frames, when to answer ETIMEDOUT, what it asks), oldest first
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -1033,8 +1039,8 @@ class ManagerServer(RpcServer):
             self.sock.close(0)
 
     def _answer(self, frames: list) -> None:
-        if len(frames) < 3:
-            return
+        if len(frames) < 2:
+            return  # no call id to answer to
         reply, result_frames, err = self._run(frames)
         hold, call = _hold_of(frames) if err == errno.ETIMEDOUT and len(self.held) < MAX_HELD else (0.0, ())
         if hold:
@@ -1089,7 +1095,7 @@ class ManagerClient(TypedClient):
 
     def __init__(self, endpoint: str, timeout_s: float = 10.0, *, curve_keys: str | None = None,
                  clock: Clock | None = None, poll_s: float = 0.001):
-        self.rpc = RpcClient(endpoint, timeout_s, curve_keys=curve_keys)
+        self.rpc = RpcClient(endpoint, timeout_s, curve_keys=curve_keys, max_frame_bytes=MAX_BLOCK_BYTES)
         self.endpoint, self.clock = endpoint, clock or WallClock()
         self.poll_s = _check_seconds("poll_s", poll_s, allow_zero=False)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import reprlib
 import threading
 import traceback
 from typing import Any, Callable, Iterable
@@ -28,9 +29,18 @@ import zmq
 import zmq.auth
 
 from driver.errors import ChmError
+from driver.wire import lib as wire
+from host_runtime.hymcache import auth
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
+
+# The largest frame a socket takes in (ZMQ_MAXMSGSIZE): a peer that sends, or claims in a frame header, a
+# larger one is disconnected before anything is allocated for it. A header of MAX_BATCH (65536) keys and
+# their descriptors encodes to about 5 MB; a block frame (the KV Manager's read and write) is one block,
+# and a block fits one libchm staging buffer.
+MAX_HEADER_BYTES = 16 << 20
+MAX_BLOCK_BYTES = wire.CHM_MAX_STAGING_BYTES
 
 
 class RemoteError(ChmError):
@@ -54,32 +64,38 @@ class Payload:
 
 
 def curve_server(sock: zmq.Socket, keys_dir: str | None) -> None:
-    """CurveZMQ on a server socket, from ``keys_dir/server.key_secret`` (see ``make_curve_keys``)."""
+    """CurveZMQ on a server socket, from ``keys_dir/server.key_secret``; only the keys ``keys_dir/authorized``
+    lists get in (ZAP, see auth.py)."""
     if keys_dir:
-        public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key_secret"))
-        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        auth.protect(sock, keys_dir)
 
 
 def curve_client(sock: zmq.Socket, keys_dir: str | None) -> None:
+    """``keys_dir``: a key directory (its ``client`` key) or a client's ``NAME.key_secret`` beside ``server.key``."""
     if keys_dir:
-        server_public, _ = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key"))
-        public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, "client.key_secret"))
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = auth.client_keys(keys_dir)
 
 
-def make_curve_keys(keys_dir: str) -> None:
-    """Create a server and a client key pair in ``keys_dir`` (copy it to every machine of the set)."""
-
-    os.makedirs(keys_dir, exist_ok=True)
-    for name in ("server", "client"):
-        if not os.path.exists(os.path.join(keys_dir, f"{name}.key")):
-            zmq.auth.create_certificates(keys_dir, name)
+def make_curve_keys(keys_dir: str, nodes: int = 0) -> None:
+    """The keys of a set in ``keys_dir`` (see ``auth.make_keys``): copy what each machine needs to it."""
+    auth.make_keys(keys_dir, nodes)
 
 
 def call_of(frames: list) -> tuple[str, list]:
-    """(method, args) of a call as a server receives it (raises on a malformed one)."""
-    method, args = _decode(frames[2].buffer)
-    return method, args
+    """(method, args) of a call as a server receives it ([routing id, call id, header, *payload]); EINVAL
+    saying what is wrong with a malformed one."""
+    if len(frames) < 3:
+        raise ChmError(errno.EINVAL, f"malformed call of {len(frames) - 1} frame(s): a call is [call id, "
+                                     "MessagePack [method, args], *payload frames]")
+    try:
+        call = _decode(frames[2].buffer)
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested past msgspec's depth
+        raise ChmError(errno.EINVAL, f"malformed call header ({len(frames[2].buffer)} bytes): not MessagePack "
+                                     f"[method, args]: {exc}") from None
+    if not (isinstance(call, list) and len(call) == 2 and isinstance(call[0], str) and isinstance(call[1], list)):
+        raise ChmError(errno.EINVAL, f"malformed call header {reprlib.repr(call)}: a call's header is MessagePack "
+                                     "[method (a string), args (an array)]")
+    return call[0], call[1]
 
 
 class RpcServer:
@@ -93,13 +109,19 @@ class RpcServer:
 
     def __init__(self, target: object, methods: Iterable[str], endpoint: str, *, tick: Callable[[], None] | None = None,
                  tick_s: float = 0.05, curve_keys: str | None = None, log: Callable[[str], None] | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, max_frame_bytes: int = MAX_HEADER_BYTES,
+                 roles: dict | None = None, callers: Iterable[str] = (), insecure: bool = False):
         self.target, self.methods = target, frozenset(methods)
+        # with keys: method -> the roles that may call it; ``callers``: methods given caller=auth.Identity
+        self.roles = roles if curve_keys else None
+        self.callers = frozenset(callers)
         self.tick, self.tick_s = tick, tick_s
         self.log = log or (lambda msg: None)
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
+        self.sock.maxmsgsize = self.max_frame_bytes = max_frame_bytes
+        auth.check_bind(endpoint, curve_keys, insecure, log)
         curve_server(self.sock, curve_keys)
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
             port = self.sock.bind_to_random_port(endpoint[:-2])
@@ -127,8 +149,8 @@ class RpcServer:
             self.sock.close(0)
 
     def _answer(self, frames: list) -> None:
-        if len(frames) < 3:
-            return  # not ours: ignored
+        if len(frames) < 2:
+            return  # no call id to answer to
         self._send(frames, *self._run(frames)[:2])
 
     def _run(self, frames: list) -> tuple[bytes, list, int]:
@@ -136,21 +158,25 @@ class RpcServer:
         its errno: 0 on success)."""
         payload = frames[3:]
         result_frames: list = []
-        err = 0
+        err, method = 0, "?"
         try:
             method, args = call_of(frames)
             if method not in self.methods:
-                raise ChmError(errno.EINVAL, f"unknown method {method!r}; this server answers: "
+                raise ChmError(errno.EINVAL, f"unknown method {reprlib.repr(method)}; this server answers: "
                                              f"{', '.join(sorted(self.methods))}")
+            who = auth.caller_of(frames[1]) if self.roles is not None or method in self.callers else None
+            if self.roles is not None and not (who and who.roles & self.roles.get(method, frozenset())):
+                raise auth.refuse(method, self.roles.get(method, ()), who)
+            kw = {"caller": who} if method in self.callers else {}
             fn = getattr(self.target, method)
-            result = fn(*args, payload=[f.buffer for f in payload]) if payload else fn(*args)
+            result = fn(*args, payload=[f.buffer for f in payload], **kw) if payload else fn(*args, **kw)
             if isinstance(result, Payload):
                 result, result_frames = result.result, result.frames
             reply = _encode((0, result, ""))
         except ChmError as exc:
             err, reply = exc.errno, _encode((exc.errno, None, exc.message))
         except (TypeError, ValueError, msgspec.DecodeError) as exc:  # a malformed call must not end the server
-            err, reply = errno.EINVAL, _encode((errno.EINVAL, None, f"bad call: {exc}"))
+            err, reply = errno.EINVAL, _encode((errno.EINVAL, None, f"bad call of {method}: {exc}"))
         except Exception:
             self.log(f"internal error answering a call:\n{traceback.format_exc()}")
             err, reply = errno.EIO, _encode((errno.EIO, None, "internal error in the server (see its log)"))
@@ -166,13 +192,15 @@ class RpcClient:
     """Calls to one server. Like a libchm handle it is for one thread at a time."""
 
     def __init__(self, endpoint: str, timeout_s: float = 10.0, *, curve_keys: str | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, max_frame_bytes: int = MAX_HEADER_BYTES):
         if not timeout_s > 0:
             raise ChmError(errno.EINVAL, f"timeout_s {timeout_s!r} must be > 0")
         self.endpoint, self.timeout_s = endpoint, timeout_s
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
+        # the server's limit too (its pair's constant): a larger frame is refused here, not sent to be dropped
+        self.sock.maxmsgsize = self.max_frame_bytes = max_frame_bytes
         curve_client(self.sock, curve_keys)
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
@@ -216,9 +244,16 @@ class RpcClient:
         connection to hand a message to (the server never reached, or its CurveZMQ handshake refused us) a
         DEALER's send would block for ever."""
         call_id = next(self._ids).to_bytes(8, "little")
+        frames = [call_id, _encode((method, list(args))), *(payload or ())]
+        for i, frame in enumerate(frames[1:]):
+            n = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+            if n > self.max_frame_bytes:
+                what = f"payload[{i - 1}]" if i else "header"
+                raise ChmError(errno.EINVAL, f"{method} to {self.endpoint}: its {what} is {n} bytes, outside the "
+                                             f"allowed range [0, {self.max_frame_bytes}] (the server's largest frame)")
         self.sock.sndtimeo = wait_ms
         try:
-            self.sock.send_multipart([call_id, _encode((method, list(args))), *(payload or ())], copy=False)
+            self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
             raise RpcTimeout(f"{method} to {self.endpoint}: not sent within {wait_ms} ms (no connection to the "
                              "server: down, unreachable, or refusing our CurveZMQ keys)") from None
