@@ -76,6 +76,7 @@ int chm_srv_fetch(struct chm_srv_qp *s, struct chm_sqe *out, unsigned max)
     uint32_t tail = chm_load_acquire(&s->hdr->sq.tail);
     uint32_t avail = tail - s->sq_head;
     if (avail > s->sq_entries) {
+        s->bad_tails++;
         s->sq_head = tail;
         chm_store_release(&s->hdr->sq.head, s->sq_head);
         if (cq_room(s))     /* tell the client, if its completion ring has room */
@@ -133,13 +134,57 @@ void chm_srv_set_sleeping(struct chm_node *node, uint32_t sleeping)
     chm_store_fence(&node->server_sleeping, sleeping);
 }
 
+int chm_srv_check(const struct chm_sqe *e, uint64_t capacity, uint64_t staging_bytes, uint32_t *field)
+{
+#define BAD(f, err) do { *field = (f); return -(err); } while (0)
+    const uint8_t op = e->opcode;
+    if (op == 0 || op > CHM_OP_MAX)
+        BAD(CHM_SQE_OPCODE, EINVAL);
+    if (e->flags & ~(op == CHM_OP_WAIT ? CHM_WAIT_LOOK : 0))
+        BAD(CHM_SQE_FLAGS, EINVAL);
+    if (e->rsvd0)
+        BAD(CHM_SQE_RSVD0, EINVAL);
+    if (e->rsvd1)
+        BAD(CHM_SQE_RSVD1, EINVAL);
+    if (e->rsvd2)
+        BAD(CHM_SQE_RSVD2, EINVAL);
+    switch (op) {
+    case CHM_OP_READ:
+    case CHM_OP_WRITE:
+    case CHM_OP_PREFETCH:
+        if (e->len == 0)
+            BAD(CHM_SQE_LEN, EINVAL);
+        if (e->addr >= capacity)
+            BAD(CHM_SQE_ADDR, ERANGE);
+        if (e->len > capacity - e->addr)    /* addr + len, without the sum */
+            BAD(CHM_SQE_LEN, ERANGE);
+        if (op == CHM_OP_PREFETCH)          /* no staging range */
+            break;
+        /* fall through */
+    case CHM_OP_STATS_JSON:
+        if (e->len > staging_bytes)
+            BAD(CHM_SQE_LEN, EFAULT);
+        if (e->buf_offset > staging_bytes - e->len)
+            BAD(CHM_SQE_BUF_OFFSET, EFAULT);
+        break;
+    case CHM_OP_WAIT:
+    case CHM_OP_RELEASE:                    /* handles are >= 1; whose it is is the server's to say */
+        if (e->handle < 1)
+            BAD(CHM_SQE_HANDLE, EINVAL);
+        break;
+    default:                                /* NOP, FLUSH, STATS: no other field is read */
+        break;
+    }
+    return 0;
+#undef BAD
+}
+
 /* Serve e here if it is a DRAM-hit read that needs nothing of Python; 1 if it was (completion posted). */
 static int serve_hit(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct chm_sqe *e)
 {
-    if (e->opcode != CHM_OP_READ || e->flags || e->rsvd0 || e->rsvd1 || e->rsvd2)
-        return 0;
-    if (e->len == 0 || e->len > l->chunk_bytes || e->len > q->staging_bytes ||
-        e->buf_offset > q->staging_bytes - e->len)
+    uint32_t field;
+    if (e->opcode != CHM_OP_READ || e->len > l->chunk_bytes ||
+        chm_srv_check(e, l->capacity, q->staging_bytes, &field))
         return 0;
     double start = l->floor > q->clock ? l->floor : q->clock;   /* server.py: max(c.clock, now) */
     double finish;

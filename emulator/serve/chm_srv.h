@@ -32,6 +32,7 @@ struct chm_srv_qp {
     double clock;                   /* its virtual clock: when its last command finished */
     uint64_t commands;
     uint64_t errors;
+    uint64_t bad_tails;             /* times its sq tail was further ahead than the ring holds (chm_srv_fetch) */
 };
 
 /* The device's DRAM-hit read, chm_core.h's chm_dev_read_hit: the server hands the C loop a pointer to it
@@ -50,6 +51,7 @@ struct chm_srv_loop {
     uint64_t chunk_bytes;           /* longer commands go in pieces, through Python */
     double floor;                   /* device virtual time: the latest finish, plus idle time */
     double quiet_until;             /* a command starting before this has no background work to do first */
+    uint64_t capacity;              /* the device's bytes: chm_srv_check's bound on addr and len */
     chm_read_hit_fn read_hit;
     void *dev;
     uint64_t hits;                  /* commands served in C */
@@ -59,6 +61,27 @@ struct chm_srv_loop {
 #define CHM_SRV_IDLE -1             /* no client has a command, after spinning */
 #define CHM_SRV_YIELD -2            /* it served for its time: the control path's turn */
 
+/* chm_srv_check's field index: struct chm_sqe's fields in declaration order (server.py names them from the
+ * struct itself; tests/emulator/serve/test_ring_fields.py checks that the two agree). */
+#define CHM_SQE_OPCODE 0
+#define CHM_SQE_FLAGS 1
+#define CHM_SQE_RSVD0 2
+#define CHM_SQE_RSVD1 3
+#define CHM_SQE_USER_DATA 4
+#define CHM_SQE_ADDR 5
+#define CHM_SQE_LEN 6
+#define CHM_SQE_BUF_OFFSET 7
+#define CHM_SQE_HANDLE 8
+#define CHM_SQE_TIMEOUT_NS 9
+#define CHM_SQE_RSVD2 10
+
+/* Check every field of a command against chm_wire.h (struct chm_sqe), in the wire's own widths (no sum can
+ * wrap): 0 if it may run, else -EINVAL (opcode, flags, a reserved field, len 0, handle < 1), -ERANGE (addr,
+ * or addr + len, beyond capacity) or -EFAULT (len or buf_offset: the range is outside staging_bytes), with
+ * *field set to the offending field's CHM_SQE_* index. The one check of both serving paths (the C loop and
+ * server.py). What needs the device's state (whose handle, window room) is server.py's. */
+int chm_srv_check(const struct chm_sqe *e, uint64_t capacity, uint64_t staging_bytes, uint32_t *field);
+
 /* Lay out a fresh queue pair in the mapping at base; returns its total size. */
 uint64_t chm_srv_qp_layout(uint32_t sq_entries, uint32_t cq_entries, uint64_t staging_bytes,
                            uint64_t *sq_off, uint64_t *cq_off, uint64_t *stats_off, uint64_t *staging_off);
@@ -67,7 +90,7 @@ void chm_srv_qp_init(struct chm_srv_qp *s, void *base, uint32_t client_id, uint3
 
 /* Copy up to max pending commands out of the ring (as many as the completion
  * ring has room for). Returns the count, or -EPROTO when the client's tail is
- * further ahead than the ring holds: the server then skips to it and posts one
+ * further ahead than the ring holds: the server then skips to it, counts it (bad_tails) and posts one
  * -EPROTO completion (user_data 0) if the completion ring has room. */
 int chm_srv_fetch(struct chm_srv_qp *s, struct chm_sqe *out, unsigned max);
 
@@ -82,9 +105,8 @@ int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns);
  * index, with its job's next piece to serve (has_job; Python then ends the turn: in_turn = 0, turn + 1) or
  * its command batch[batch_next] to run (Python takes it, charging a bulk command's len to budget). Else
  * CHM_SRV_IDLE once a pass ran nothing and nothing came within spin_ns, or CHM_SRV_YIELD after max_ns.
- * A command is served here only if it is a whole read (no reserved field set, at most chunk_bytes, in
- * the client's buffer) starting before quiet_until that read_hit serves; everything else, errors
- * included, is Python's. A parked client's turns are skipped. */
+ * A command is served here only if it is a read that passes chm_srv_check, at most chunk_bytes, starting
+ * before quiet_until, that read_hit serves whole; everything else, bad entries included, is Python's. A parked client's turns are skipped. */
 int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns);
 
 /* Set the node's sleep flag with a full fence (see chm_wire.h, wake-ups). */

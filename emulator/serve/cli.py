@@ -32,6 +32,20 @@ def _policy_name(text: str) -> str:
     return text
 
 
+DEFAULT_MAX_BAD_ENTRIES = 64  # malformed entries (or corrupted sq tails) of one client before it is detached
+MAX_BAD_ENTRIES_LIMIT = 1 << 32  # 0 never detaches
+
+
+def _bad_entries(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= MAX_BAD_ENTRIES_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, {MAX_BAD_ENTRIES_LIMIT}] (0: never detach)")
+    return value
+
+
 MAX_DRAIN_TIMEOUT_S = 86_400  # a day: beyond this a typo is likelier than intent
 MAX_SPIN_US = 100_000
 
@@ -60,6 +74,11 @@ def register(sub) -> None:
                    metavar="SECONDS",
                    help=f"at SIGTERM, retry failing flushes for at most this long (default {DRAIN_TIMEOUT_S:g}); "
                         f"what is still unflushed then is reported and lost (exit status 1)")
+    p.add_argument("--max-bad-entries", type=_bad_entries, default=DEFAULT_MAX_BAD_ENTRIES, metavar="N",
+                   help=f"detach a client after N malformed submission entries (or corrupted ring tails); its next "
+                        f"call gets ENODEV (default {DEFAULT_MAX_BAD_ENTRIES}; 0 never detaches)")
+    p.add_argument("--no-native-hits", dest="native_hits", action="store_false",
+                   help="serve every command in Python, DRAM-hit reads too (the reference path; slower)")
     p.set_defaults(func=run)
 
 
@@ -81,7 +100,8 @@ def run(args) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             server = DeviceServer(cfg, media, node=args.node, pacing=args.pace, spin_us=args.spin_us,
-                                  format_media=args.format_media, drain_timeout_s=args.drain_timeout)
+                                  format_media=args.format_media, drain_timeout_s=args.drain_timeout,
+                                  native_hits=args.native_hits, max_bad_entries=args.max_bad_entries)
             install_signal_handlers(server)
         except NodeError as exc:
             raise ChmError(exc.errno, exc.strerror) from None

@@ -38,9 +38,14 @@ at most MAX_PENDING_ATTACHES connections wait half-open.
 
 Trust. Everything a client can write (ring entries, its tail, its head) is
 copied to private memory and checked before use; sizes and indices the
-server owns live in ``struct chm_srv_qp`` in server memory. A client's
-commands can only reach its own staging buffer (a memoryview of its own
-mapping, bounds-checked), and only its own prefetch handles.
+server owns live in ``struct chm_srv_qp`` in server memory. Every field of
+every entry is checked by one C function, ``chm_srv_check`` (chm_srv.c), on
+both paths; a bad entry completes with -EINVAL, -ERANGE or -EFAULT, is
+logged (rate-limited) and counted per field (CHM_OP_STATS_JSON's
+``bad_entries``), and after ``max_bad_entries`` of them the client is
+detached: its connection is closed, so its next call gets -ENODEV. A
+client's commands can only reach its own staging buffer (a memoryview of its
+own mapping, bounds-checked), and only its own prefetch handles.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from driver.native import load_or_build
 from driver.wire import node_path, socket_path
 
 from . import srv_build
+from .cli import DEFAULT_MAX_BAD_ENTRIES, MAX_BAD_ENTRIES_LIMIT
 
 _srv = load_or_build(srv_build.MODULE, srv_build.build, Path(srv_build.__file__).with_suffix(".lock"))
 ffi, lib = _srv.ffi, _srv.lib  # the wire's structs and constants, the ring helpers and the C loop
@@ -78,6 +84,10 @@ READ_HIT = ffi.cast("chm_read_hit_fn",
                     int(core_ffi.cast("uintptr_t", core_ffi.addressof(core_lib, "chm_dev_read_hit"))))
 
 STATS_FIELDS = [name for name, _ in ffi.typeof("struct chm_wire_stats").fields]
+SQE_FIELDS = [name for name, _ in ffi.typeof("struct chm_sqe").fields]  # chm_srv_check's field index names these
+TAIL_FIELD = "sq_tail"  # a bad entry count of its own: the sq tail further ahead than the ring holds
+U64_MAX = (1 << 64) - 1
+OPCODE_NAMES = {getattr(lib, n): n[len("CHM_OP_"):] for n in dir(lib) if n.startswith("CHM_OP_") and n != "CHM_OP_MAX"}
 ATTACH_REQ_SIZE = ffi.sizeof("struct chm_attach_req")
 MAX_BATCH = lib.CHM_SRV_BATCH
 CONTROL_POLL_S = 0.002  # look at the control socket at least this often while busy
@@ -98,6 +108,11 @@ MAX_PIECE_ALONE = 8 << 20
 MAX_PENDING_ATTACHES = 64  # half-open connections held at once; more are closed at once
 LOG_INTERVAL_S = 10.0  # a repeating complaint (fd exhaustion, connection flood) is logged at most this often
 BULK_OPCODES = frozenset((lib.CHM_OP_READ, lib.CHM_OP_WRITE, lib.CHM_OP_PREFETCH))  # their work grows with len
+
+
+def _u64(x: float) -> int:
+    """A virtual time or duration as a completion's u64 field (never an exception: NaN is 0)."""
+    return int(x) if 0 <= x <= U64_MAX else (U64_MAX if x > U64_MAX else 0)
 
 
 def idle_wall_wait_ns(event_ns: float, floor_ns: float, wall_virtual_ns: float, pacing: bool) -> float:
@@ -167,6 +182,10 @@ class Client:
         self._parked: ParkedWait | None = None
         self.clock = clock
         self.last_error = ""
+        self.bad_entries: dict[str, int] = {}  # field name -> bad entries of it (TAIL_FIELD: corrupted tails)
+        self.bad_total = 0
+        self.tails_counted = 0  # srv.bad_tails already in bad_entries
+        self.closed = False  # detached: nothing of it may be touched any more
 
     @property
     def job(self) -> Job | None:
@@ -196,6 +215,7 @@ class Client:
         return self.staging[offset: offset + length]
 
     def close(self) -> None:
+        self.closed = True
         self.stats_slot = None
         self.job = None
         for v in (self.staging, self.view):
@@ -294,8 +314,15 @@ class NodeOwner:
 class DeviceServer:
     def __init__(self, cfg: Config, media_dir: str | os.PathLike | None, node: str = "chm0", pacing: bool = False,
                  spin_us: float = 50.0, log=None, format_media: bool = False,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S, native_hits: bool = True):
-        """``native_hits=False`` serves every command in Python (tests compare the two paths)."""
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, native_hits: bool = True,
+                 max_bad_entries: int = DEFAULT_MAX_BAD_ENTRIES):
+        """``native_hits=False`` serves every command in Python (tests compare the two paths).
+        ``max_bad_entries``: a client that submits this many bad entries is detached (0: never)."""
+        if (not isinstance(max_bad_entries, int) or isinstance(max_bad_entries, bool)
+                or not 0 <= max_bad_entries <= MAX_BAD_ENTRIES_LIMIT):
+            raise ChmError(errno.EINVAL, f"max_bad_entries {max_bad_entries!r} is outside [0, {MAX_BAD_ENTRIES_LIMIT}] "
+                                         f"(0: never detach)")
+        self.max_bad_entries = max_bad_entries
         self._loop = ffi.new("struct chm_srv_loop *")  # the C loop's state; floor lives here
         self.cfg = cfg
         self.drain_timeout_s = drain_timeout_s
@@ -336,11 +363,15 @@ class DeviceServer:
         self.chunk_bytes = -(-CHUNK_BYTES // page) * page  # whole pages: a piece never splits a page
         self._last_logged: dict[str, tuple[float, int]] = {}  # complaint -> (when last logged, repeats since)
         self._next_id = 1
+        self.bad_entries: dict[str, int] = {}  # device-wide, detached clients' included
+        self.clients_detached_bad = 0  # clients detached for max_bad_entries
+        self._bad_field = ffi.new("uint32_t *")
         self.floor = 0.0  # device virtual time: latest finish, plus idle time
         # The C loop serves DRAM hits where the controller reads them natively and nothing is paced.
         self.native_loop = native_hits and self.ctl.native_read and not pacing
         loop = self._loop
         loop.chunk_bytes = self.chunk_bytes
+        loop.capacity = self.ctl.capacity
         loop.read_hit = READ_HIT if self.native_loop else ffi.NULL
         loop.dev = ffi.cast("void *", int(core_ffi.cast("uintptr_t", self.ctl.native_dev)))
         self.wall0 = time.monotonic_ns()
@@ -492,10 +523,11 @@ class DeviceServer:
                 if n < 0:  # corrupted tail: the helper resynced and posted -EPROTO
                     c.errors += 1
                     did = True
+                    self._count_tails(c)
                     continue
                 c.batch_next, c.batch_len = 0, n
             budget = self.chunk_bytes  # many medium commands in one turn would hold others up like a large one
-            while c.batch_next < c.batch_len and c.job is None and budget > 0:
+            while c.batch_next < c.batch_len and c.job is None and budget > 0 and not c.closed:
                 e = c.batch[c.batch_next]
                 c.batch_next += 1
                 if e.opcode in BULK_OPCODES:
@@ -521,9 +553,13 @@ class DeviceServer:
             else:
                 e = c.batch[c.batch_next]
                 c.batch_next += 1
-                if e.opcode in BULK_OPCODES:
-                    loop.budget -= e.len
+                if e.opcode in BULK_OPCODES:  # at most a turn's worth: budget is an int64_t, len a u64
+                    loop.budget -= min(e.len, self.chunk_bytes)
                 self._command(c, e)
+        else:  # the C loop resyncs corrupted tails itself: count them now (it comes back every few ms)
+            for c in self._order:
+                if c.srv.bad_tails != c.tails_counted:
+                    self._count_tails(c)
         return i
 
     def _spin_ns(self) -> int:
@@ -541,8 +577,20 @@ class DeviceServer:
             self._staged_spin_until = time.monotonic_ns() + STAGED_SPIN_NS
 
     def _command(self, c: Client, e) -> None:
+        try:
+            self._run_command(c, e)
+        except Exception:  # a device bug must not take every client down: this one goes
+            self._log_limited("internal", f"internal error on a command of client {c.id}, detached:\n"
+                                          f"{traceback.format_exc()}")
+            self._detach(c, "internal error")
+
+    def _run_command(self, c: Client, e) -> None:
         start = max(c.clock, self._now())
         c.commands += 1
+        err = lib.chm_srv_check(ffi.addressof(e), self.ctl.capacity, c.staging_bytes, self._bad_field)
+        if err:
+            self._bad_entry(c, e, -err, SQE_FIELDS[self._bad_field[0]], start)
+            return
         try:
             job = self._large(c, e, start)
             if job is not None:
@@ -558,6 +606,64 @@ class DeviceServer:
         except Exception:  # a device bug must not take every client down
             res, finish = self._crashed(c, start)
         self._complete(c, e.user_data, start, res, finish)
+
+    def _bad_entry(self, c: Client, e, err: int, field: str, start: float) -> None:
+        """Answer an entry chm_srv_check refused, log and count it; detach the client at max_bad_entries."""
+        why = self._bad_why(c, e, err, field)
+        c.errors += 1
+        c.last_error = f"bad entry: {why}"
+        self._complete(c, e.user_data, start, -err, start)
+        self._count_bad(c, field, f"client {c.id} (pid {c.pid}) submitted a bad entry: {why}")
+
+    def _bad_why(self, c: Client, e, err: int, field: str) -> str:
+        """What is wrong with field ``field`` of ``e``: the field, its value and the range allowed."""
+        op, value = e.opcode, getattr(e, field)
+        name = OPCODE_NAMES.get(op, f"opcode {op}")
+        cap, staging = self.ctl.capacity, c.staging_bytes
+        if field == "opcode":
+            allowed = f"valid: 1..{lib.CHM_OP_MAX}"
+        elif field == "flags":
+            allowed = (f"WAIT allows 0 or CHM_WAIT_LOOK ({lib.CHM_WAIT_LOOK})" if op == lib.CHM_OP_WAIT
+                       else f"{name} allows only 0")
+        elif field.startswith("rsvd"):
+            allowed = "reserved: must be 0"
+        elif field == "addr":
+            allowed = f"outside the device [0, {cap})"
+        elif field == "len" and err == errno.EINVAL:
+            allowed = "must be at least 1"
+        elif field == "len" and err == errno.ERANGE:
+            allowed = f"addr {e.addr} + len passes the device's end: at most {cap - e.addr}"
+        elif field == "len":
+            allowed = f"longer than this client's staging buffer: at most {staging}"
+        elif field == "buf_offset":
+            allowed = f"[buf_offset, +len {e.len}) leaves this client's staging buffer of {staging} bytes: " \
+                      f"at most {staging - e.len}"
+        elif field == "handle":
+            allowed = f"a prefetch handle is in [1, {2**63 - 1}]"
+        else:  # chm_srv_check refuses no other field
+            allowed = "refused"
+        return f"{name} {field} {value} ({os.strerror(err)}): {allowed}"
+
+    def _count_tails(self, c: Client) -> None:
+        """Count the client's corrupted sq tails (chm_srv_fetch resynced and answered each with -EPROTO)."""
+        new, c.tails_counted = c.srv.bad_tails - c.tails_counted, c.srv.bad_tails
+        for _ in range(new):
+            if c.closed:
+                return
+            self._count_bad(c, TAIL_FIELD, f"client {c.id} (pid {c.pid}): its sq tail was further ahead of the "
+                                           f"device's head than its ring of {c.srv.sq_entries} entries holds "
+                                           f"(answered -EPROTO, resynced)")
+
+    def _count_bad(self, c: Client, field: str, msg: str) -> None:
+        c.bad_entries[field] = c.bad_entries.get(field, 0) + 1
+        c.bad_total += 1
+        self.bad_entries[field] = self.bad_entries.get(field, 0) + 1
+        self._log_limited(f"bad:{field}", msg)
+        if self.max_bad_entries and c.bad_total >= self.max_bad_entries:
+            self.clients_detached_bad += 1
+            self._log_limited("bad-detach", f"client {c.id} (pid {c.pid}) detached after {c.bad_total} bad entries "
+                                            f"(--max-bad-entries {self.max_bad_entries}): {c.bad_entries}")
+            self._detach(c, "too many bad entries")
 
     def _failed(self, c: Client, exc: ChmError, start: float, timeout_ns: int) -> tuple[int, float]:
         c.errors += 1
@@ -575,13 +681,13 @@ class DeviceServer:
         c.clock = finish
         if finish > self.floor and not self.pacing:
             self.floor = finish
-        latency = max(0, int(finish - start))
+        latency = _u64(finish - start)
         if self.pacing and finish > self._wall_virtual():
             c.srv.held += 1
             self._held_seq += 1
             heapq.heappush(self.held, (finish, self._held_seq, c.id, c, user_data, res, latency, finish))
             return
-        lib.chm_srv_post(c.srv, user_data, res, latency, int(finish))
+        lib.chm_srv_post(c.srv, user_data, res, latency, _u64(finish))
 
     def _large(self, c: Client, e, start: float) -> Job | None:
         """A validated Job if ``e`` is a read or write to serve in pieces, else None.
@@ -593,7 +699,6 @@ class DeviceServer:
             return None
         if e.opcode != lib.CHM_OP_READ and (e.opcode != lib.CHM_OP_WRITE or self.cfg.write_buffer_frames):
             return None
-        self._check_reserved(e)
         self.ctl.check_range(e.addr, e.len)
         piece = self.chunk_bytes if self._others_waiting(c) else MAX_PIECE_ALONE
         return Job(e, c.buffer(e.buf_offset, e.len), start, piece)
@@ -647,12 +752,11 @@ class DeviceServer:
             _, _, cid, c, user_data, res, latency, finish = heapq.heappop(self.held)
             if self.clients.get(cid) is c:
                 c.srv.held -= 1
-                lib.chm_srv_post(c.srv, user_data, res, latency, int(finish))
+                lib.chm_srv_post(c.srv, user_data, res, latency, _u64(finish))
 
     def _execute(self, c: Client, e, start: float) -> tuple[int, float]:
-        """Run one validated command; returns (result, finish time). Raises ChmError."""
+        """Run one command chm_srv_check passed; returns (result, finish time). Raises ChmError."""
         op = e.opcode
-        self._check_reserved(e)
         ctl = self.ctl
         if op == lib.CHM_OP_READ:
             ctl.check_range(e.addr, e.len)
@@ -700,7 +804,10 @@ class DeviceServer:
         if op == lib.CHM_OP_STATS_JSON:
             snap = ctl.snapshot()
             snap.update(clock_ns=start, clients=len(self.clients), client_id=c.id, last_error=c.last_error,
-                        parked_waits=len(self.parked),
+                        parked_waits=len(self.parked), bad_entries=dict(c.bad_entries),
+                        device_bad_entries=dict(self.bad_entries),
+                        bad_entries_by_client={str(o.id): dict(o.bad_entries) for o in self._order if o.bad_entries},
+                        clients_detached_bad=self.clients_detached_bad, max_bad_entries=self.max_bad_entries,
                         prefetch={"share_ppm": c.share_ppm, "pages_held": c.pages_held,
                                   "pages_limit": c.prefetch_pages_limit, "handles_held": len(c.handles),
                                   "handles_limit": c.prefetch_handles_limit})
@@ -711,13 +818,6 @@ class DeviceServer:
             out[: len(text)] = text
             return len(text), start
         raise ChmError(errno.EINVAL, f"unknown opcode {op} (valid: 1..{lib.CHM_OP_MAX})")
-
-    @staticmethod
-    def _check_reserved(e) -> None:
-        flags = e.flags & ~lib.CHM_WAIT_LOOK if e.opcode == lib.CHM_OP_WAIT else e.flags
-        if flags or e.rsvd0 or e.rsvd1 or e.rsvd2:
-            raise ChmError(errno.EINVAL, f"reserved fields must be 0 (flags={e.flags}, rsvd0={e.rsvd0}, "
-                                         f"rsvd1={e.rsvd1}, rsvd2={e.rsvd2})")
 
     def _check_share(self, c: Client, pages: int) -> None:
         """Refuse a prefetch beyond this client's share of the window (pages) or of the handles.
@@ -907,8 +1007,8 @@ class DeviceServer:
             conn.setblocking(True)
             conn.settimeout(1.0)
             self._attach(conn, raw + chunk)
-        except OSError as exc:
-            self.log(f"attach failed: {exc}")
+        except OSError as exc:  # the client went away mid-handshake (EPIPE, ...): rate-limited, any client can
+            self._log_limited("attach-failed", f"attach failed: {exc}")
             conn.close()
 
     def _drop_stalled_handshakes(self) -> None:
@@ -944,8 +1044,7 @@ class DeviceServer:
         try:
             fd = os.memfd_create(f"chm-qp-{cid}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            self._log_limited("qp", f"attach of pid {pid} refused: no queue pair memfd: {exc.strerror}")
-            self._refuse(conn, exc.errno or errno.EIO)
+            self._refuse_attach(conn, pid, exc, "no queue pair memfd")
             return
         try:
             try:  # backed now: a full memory or shm gives ENOSPC here, never SIGBUS on a later access
@@ -956,10 +1055,14 @@ class DeviceServer:
                                         f"bytes: {exc.strerror}")
                 self._refuse(conn, exc.errno or errno.EIO)
                 return
-            self._next_id += 1
             # Sealed: the client cannot shrink the mapping under the device (SIGBUS) or grow it.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            qp_map = mmap.mmap(fd, total)
+            try:
+                qp_map = mmap.mmap(fd, total)  # it dups fd: one more descriptor, which may not be there
+            except OSError as exc:
+                self._refuse_attach(conn, pid, exc, "cannot map its queue pair")
+                return
+            self._next_id += 1
             srv = ffi.new("struct chm_srv_qp *")
             batch = srv.batch = ffi.new("struct chm_sqe[]", MAX_BATCH)
             base = ffi.from_buffer(qp_map)
@@ -984,6 +1087,15 @@ class DeviceServer:
         finally:
             os.close(fd)
         conn.setblocking(False)
+
+    def _refuse_attach(self, conn: socket.socket, pid: int, exc: OSError, what: str) -> None:
+        """Refuse an attach with the errno of the call that failed; fd exhaustion is logged as accept's is."""
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            self._log_limited("emfile", f"out of file descriptors ({exc.strerror}): refusing attaches until some "
+                                        f"are free ({len(self.clients)} clients, {len(self.pending)} pending)")
+        else:
+            self._log_limited("qp", f"attach of pid {pid} refused: {what}: {exc.strerror}")
+        self._refuse(conn, exc.errno or errno.EIO)
 
     def _check_attach(self, req, uid: int) -> tuple[int, str]:
         """(0, ""), or the errno that refuses this attach request and why."""

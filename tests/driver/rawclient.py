@@ -3,9 +3,11 @@ into its submission ring, which is what the validation tests need."""
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
+import select
 import socket
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ class RawClient:
         self.sq = ffi.cast("struct chm_sqe *", self._base + self.hdr.sq_offset)
         self.cq = ffi.cast("struct chm_cqe *", self._base + self.hdr.cq_offset)
         self.entries = self.hdr.sq_entries
+        self.cq_entries = self.hdr.cq_entries  # kept: the header is the client's to scribble on (fuzz tests do)
         self.staging = memoryview(self.map)[self.hdr.staging_offset: self.hdr.staging_offset + self.hdr.staging_bytes]
         self.tail = 0
         self.head = 0
@@ -59,20 +62,35 @@ class RawClient:
         os.eventfd_write(self.evfd, 1)  # always ring: this client does not look at the sleep flag
 
     def reap(self, n: int = 1, timeout: float = 10.0) -> list[tuple[int, int]]:
-        """n completions as (user_data, res)."""
+        """n completions as (user_data, res). OSError ENODEV once the device has closed this client's
+        connection (detached it, or died) with none left, as libchm reports it."""
         out = []
         deadline = time.monotonic() + timeout
         while len(out) < n:
             if self.hdr.cq.tail != (self.head & 0xFFFFFFFF):
-                c = self.cq[self.head % self.hdr.cq_entries]
+                c = self.cq[self.head % self.cq_entries]
                 out.append((c.user_data, c.res))
                 self.head += 1
                 self.hdr.cq.head = self.head & 0xFFFFFFFF
+            elif self.detached():
+                raise OSError(errno.ENODEV, f"the device closed this client's connection ({len(out)} of {n} "
+                                            f"completions came)")
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"{len(out)} of {n} completions")
             else:
                 time.sleep(0.0005)
         return out
+
+    def detached(self) -> bool:
+        """Has the device closed this client's connection (its detach, as libchm's server_gone sees it)?"""
+        if not select.select([self.sock], [], [], 0)[0]:
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def stats_json(self, user_data: int = 0) -> dict:
         """The device's CHM_OP_STATS_JSON for this client (it overwrites the staging buffer from offset 0)."""
