@@ -18,6 +18,7 @@ import math
 import numbers
 import operator
 import os
+import resource
 from pathlib import Path
 
 from driver.errors import ChmError, WriteBufferFull
@@ -37,6 +38,7 @@ _mod = load_or_build(f"{__name__}._chm", _build, Path(__file__).with_name("ffi_b
 ffi, lib = _mod.ffi, _mod.lib
 STATS_JSON_BYTES = 1 << 16
 DEVICE_EXPLAINS = frozenset((errno.EBUSY, errno.ENOSPC, errno.EIO))  # errors whose device message is fetched
+PREFETCH_EXPLAINS = DEVICE_EXPLAINS | {errno.EINVAL}  # a prefetch's EINVAL: which limit the device applied
 HANDLE_MAX = 2**63 - 1         # chm_req is an int64_t
 TIMEOUT_MS_MAX = 2**31 - 1     # chm_prefetch_wait takes an int
 
@@ -73,6 +75,37 @@ def _real(name: str, value) -> float:
     return float(value)
 
 
+def _buffer(name: str, obj, writable: bool = False):
+    """``obj``'s bytes as a cffi char[] (no copy), else EINVAL naming ``name``: what a buffer must be and why
+    this one is not (a type without the buffer protocol, read-only, not C-contiguous, released)."""
+    need = "a writable C-contiguous bytes-like object" if writable else "a C-contiguous bytes-like object"
+    try:
+        return ffi.from_buffer(obj, require_writable=writable)
+    except (TypeError, BufferError, ValueError) as exc:  # cffi: no buffer; read-only or strided; numpy, released
+        why = type(obj).__name__
+        try:
+            with memoryview(obj) as view:
+                if writable and view.readonly:
+                    why = f"a read-only {why} of {view.nbytes} bytes"
+                elif not view.c_contiguous:
+                    why = f"a non-contiguous {why} (shape {view.shape}, strides {view.strides})"
+                else:
+                    why = f"{why} ({exc})"
+        except (TypeError, ValueError):  # no buffer at all, or a released view
+            why = f"{why} ({exc})" if not isinstance(exc, TypeError) else why
+        raise ChmError(errno.EINVAL, f"{name} must be {need}, not {why}") from None
+
+
+def _fd_limit() -> str:
+    """This process's open-file limit and use, for an EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = f"{len(os.listdir('/proc/self/fd')) - 1} fds open, "  # less the one listdir held
+    except OSError:
+        used = ""
+    return f"{used}RLIMIT_NOFILE soft limit {soft}, hard limit {hard}"
+
+
 def _open_opts(staging_bytes, queue_entries, prefetch_share):
     """The chm_open_opts of Device(): every field checked here first, named in the error."""
     staging = _integer("staging_bytes", staging_bytes)
@@ -106,26 +139,39 @@ class Device:
         self.node, path = None, ffi.NULL
         if node is not None:
             try:
-                self.node = os.fspath(node)
-                path = self.node.encode()
-            except (TypeError, UnicodeEncodeError):
+                path = os.fsencode(node)
+                self.node = os.fsdecode(path)
+            except (TypeError, UnicodeError):
                 raise ChmError(errno.EINVAL, f"node {node!r} must be a device name, a path or None") from None
             if b"\0" in path:
                 raise ChmError(errno.EINVAL, f"node {node!r} must not contain a NUL byte")
         out = ffi.new("chm_dev **")
         ret = lib.chm_open_opts(path, opts, out)
         if ret < 0:
-            what = f"cannot open device {self.node or os.environ.get('CHM_DEVICE', 'chm0')!r}"
+            name = self.node or os.environ.get("CHM_DEVICE", "chm0")
+            shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
+            what = f"cannot open device {shown}"
             if ret == -errno.EINVAL:  # the options were checked above: the node name or the environment
-                what += (f" (node name, or $CHM_STAGING_BYTES={os.environ.get('CHM_STAGING_BYTES')!r}"
+                what += (f" (the node's path with '.sock' must fit a UNIX socket address of {lib.SUN_PATH_BYTES} "
+                         f"bytes; or $CHM_STAGING_BYTES={os.environ.get('CHM_STAGING_BYTES')!r}"
                          f" / $CHM_SPIN_US={os.environ.get('CHM_SPIN_US')!r} outside their ranges)")
+            elif ret == -errno.EMFILE:
+                what += f" ({_fd_limit()})"
             _raise(ret, what)
         self._dev = out[0]
         self._info = ffi.new("struct chm_info *")
         self._completions = ffi.new("struct chm_completion[]", wire.CHM_MAX_ENTRIES)  # reap's, allocated once
+        self._last_latency_ns = 0
+        self._prefetch_limit = None
         info = self.info()
         self._capacity, self._staging_bytes = info["capacity_bytes"], info["staging_bytes"]
-        self._last_latency_ns = 0
+        self._page_size, self._window_bytes = max(1, info["page_size"]), info["prefetch_window_bytes"]
+        # The most pages one prefetch of this handle may span, and its share: fixed at attach, and only the
+        # device knows its default share (policy.prefetch_client_share), so asked once, here.
+        window_pages = -(-self._window_bytes // self._page_size)  # the device rounds the window up to pages
+        share = self.stats().get("prefetch", {})
+        self._prefetch_limit = min(window_pages, share.get("pages_limit", window_pages))
+        self._share_ppm = share.get("share_ppm", wire.CHM_PPM)
         # Views of the staging buffer (buffer()) hold a reference to its mapping: close() detaches
         # from the device at once, the mapping goes with the last view, so no view ever faults.
         size = ffi.new("size_t *")
@@ -151,17 +197,17 @@ class Device:
         self.dev  # ENODEV once closed
         return self._last_latency_ns
 
-    def _finish(self, ret: int, what: str) -> int:
+    def _finish(self, ret: int, what: str, explains: frozenset = DEVICE_EXPLAINS) -> int:
         """After one libchm call: keep its latency, raise its error."""
         self._last_latency_ns = lib.chm_last_latency_ns(self._dev)
         if ret < 0:
-            _raise(ret, what + self._device_says(-ret))
+            _raise(ret, what + self._device_says(-ret, explains))
         return ret
 
-    def _device_says(self, err: int) -> str:
+    def _device_says(self, err: int, explains: frozenset = DEVICE_EXPLAINS) -> str:
         """The device's own message for an error the wire carries only as an errno: which limit (EBUSY),
         which file (ENOSPC, EIO). One more round trip, on these rare errors only."""
-        if err not in DEVICE_EXPLAINS or self._dev is None:
+        if err not in explains or self._dev is None:
             return ""
         buf = ffi.new("char[]", STATS_JSON_BYTES)
         ret = lib.chm_stats_json(self._dev, buf, STATS_JSON_BYTES)
@@ -197,10 +243,7 @@ class Device:
         data larger than the staging buffer goes as several, and if one is refused the ones before
         it stay written: ``exc.written`` counts their bytes (0: nothing written)."""
         addr = self._address(addr)
-        try:
-            src = ffi.from_buffer(data)
-        except TypeError:
-            raise ChmError(errno.EINVAL, f"data must be bytes-like, not {type(data).__name__}") from None
+        src = _buffer("data", data)
         total = self._length("data length", len(src), addr)
         dev = self.dev
         # Split here, one command per staging-buffer load (libchm would split the same way, but a
@@ -229,11 +272,7 @@ class Device:
     def read_into(self, addr: int, buf) -> int:
         """Read ``len(buf)`` bytes at ``addr`` into a writable buffer (a slice of ``buffer()``: zero-copy)."""
         addr = self._address(addr)
-        try:
-            dst = ffi.from_buffer(buf, require_writable=True)
-        except (TypeError, BufferError):  # not a buffer; a read-only one
-            raise ChmError(errno.EINVAL, f"buf must be a writable bytes-like object, not {type(buf).__name__}") \
-                from None
+        dst = _buffer("buf", buf, writable=True)
         n = self._length("buffer length", len(dst), addr)
         return self._finish(lib.chm_read(self.dev, addr, dst, n), f"read of {n} bytes at {addr}")
 
@@ -243,11 +282,7 @@ class Device:
         is in flight the synchronous calls fail with EBUSY. EFAULT: ``buf`` is not inside ``buffer()``."""
         addr = self._address(addr)
         user_data = _in_range("user_data", user_data, 0, 2**64 - 1)
-        try:
-            dst = ffi.from_buffer(buf, require_writable=True)
-        except (TypeError, BufferError):
-            raise ChmError(errno.EINVAL, f"buf must be a writable slice of buffer(), not {type(buf).__name__}") \
-                from None
+        dst = _buffer("buf (a writable slice of buffer())", buf, writable=True)
         n = self._length("buffer length", len(dst), addr)
         self._finish(lib.chm_submit_read(self.dev, addr, dst, n, user_data), f"submit of a read of {n} bytes at {addr}")
 
@@ -263,7 +298,15 @@ class Device:
     def prefetch(self, addr: int, size: int) -> int:
         addr = self._address(addr)
         size = self._length("size", size, addr)
-        return self._finish(lib.chm_prefetch_object(self.dev, addr, size), f"prefetch of {size} bytes at {addr}")
+        page, limit = self._page_size, self._prefetch_limit
+        pages = (addr + size - 1) // page - addr // page + 1
+        if pages > limit:  # the device would refuse it too (EINVAL), but could not say why in an errno
+            raise ChmError(errno.EINVAL, f"size {size} at address {addr} spans {pages} pages of {page} bytes: it can "
+                                         f"never fit this handle's prefetch limit of {limit} pages ({limit * page} "
+                                         f"bytes: its share of {self._share_ppm} ppm of the device's prefetch window "
+                                         f"of {self._window_bytes} bytes, policy.prefetch_window_bytes)")
+        return self._finish(lib.chm_prefetch_object(self.dev, addr, size), f"prefetch of {size} bytes at {addr}",
+                            PREFETCH_EXPLAINS)
 
     def wait(self, req: int, timeout_ms: float | None = None) -> None:
         """Until prefetch ``req`` is staged; ``timeout_ms`` bounds it (modelled time, rounded up to whole ms)."""
@@ -320,6 +363,7 @@ class Device:
             "clients": i.clients,
             "server_pid": i.server_pid,
             "device_epoch": i.device_epoch,
+            "prefetch_limit_pages": self._prefetch_limit,  # the most pages one prefetch of this handle may span
         }
 
     def close(self) -> None:

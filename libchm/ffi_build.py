@@ -22,7 +22,10 @@ def make_ffi() -> cffi.FFI:
     end = text.index("/* ---- cdef end ---- */")
     ffi = cffi.FFI()
     ffi.cdef(expand_stats_fields(text[begin:end]))
-    ffi.set_source(MODULE, '#include "chm.h"', include_dirs=[str(HERE / "include")],
+    ffi.cdef("static const int SUN_PATH_BYTES;")  # a node's socket path must fit (with its NUL), for errors
+    ffi.set_source(MODULE, '#include "chm.h"\n#include <sys/un.h>\n'
+                           'static const int SUN_PATH_BYTES = sizeof(((struct sockaddr_un *)0)->sun_path);',
+                   include_dirs=[str(HERE / "include")],
                    library_dirs=[str(HERE / "build")], libraries=["chm"],
                    extra_link_args=["-Wl,-rpath,$ORIGIN/build"])
     return ffi

@@ -177,18 +177,45 @@ static int attach(chm_dev *d, uint32_t entries, uint64_t staging, uint32_t share
     while (n < 0 && errno == EINTR);
     if (n != (ssize_t)sizeof(resp))
         return -ENODEV;
-    int fds[2] = { -1, -1 };
-    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
-    if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS && cm->cmsg_len == CMSG_LEN(2 * sizeof(int)))
-        memcpy(fds, CMSG_DATA(cm), sizeof(fds));
-    if (resp.status < 0) {
+    /* Take every fd that arrived (the kernel may install fewer than were sent), so none leaks. */
+    int fds[2] = { -1, -1 }, extra = 0;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS || cm->cmsg_len < CMSG_LEN(0))
+            continue;
+        size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < count; i++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(fd));
+            if (i < 2 && fds[i] < 0)
+                fds[i] = fd;
+            else {
+                close(fd);
+                extra = 1;
+            }
+        }
+    }
+    if (resp.status < 0 || extra || (msg.msg_flags & MSG_CTRUNC) || fds[0] < 0 || fds[1] < 0) {
         for (int i = 0; i < 2; i++)
             if (fds[i] >= 0)
                 close(fds[i]);
-        return resp.status;
-    }
-    if (fds[0] < 0 || fds[1] < 0)
+        if (resp.status < 0)
+            return resp.status;
+        /* Truncated: the kernel could not install the fds here. Our buffer holds both, so that is
+         * this process's fd limit (EMFILE) or the system's (ENFILE): ask for two fds to learn which. */
+        if ((msg.msg_flags & MSG_CTRUNC) && !extra) {
+            int a = fcntl(d->sock, F_DUPFD_CLOEXEC, 0), err = a < 0 ? errno : 0;
+            int b = a < 0 ? -1 : fcntl(d->sock, F_DUPFD_CLOEXEC, 0);
+            if (a >= 0 && b < 0)
+                err = errno;
+            if (a >= 0)
+                close(a);
+            if (b >= 0)
+                close(b);
+            if (err == EMFILE || err == ENFILE)
+                return -err;
+        }
         return -EPROTO;
+    }
     *qp_fd = fds[0];
     d->evfd = fds[1];
     *qp_bytes = resp.qp_bytes;
@@ -710,6 +737,8 @@ const char *chm_strerror(int err)
     case EACCES: return "permission denied";
     case EIO: return "media I/O error or device internal error";
     case EBADF: return "handle closed already (chm_close)";
+    case EMFILE: return "this process is at its open-file limit (RLIMIT_NOFILE): an open device needs 3 free fds while attaching, 2 after";
+    case ENFILE: return "the system's open-file table is full (fs.file-max)";
     default: return strerror(err < 0 ? -err : err);
     }
 }

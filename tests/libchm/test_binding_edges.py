@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from driver.wire import ffi as wire_ffi
@@ -124,10 +125,11 @@ class Index:
         return self.value
 
 
-def expect_error(call, err: int, *named: str) -> ChmError:
+def expect_error(call, err: int | None, *named: str) -> ChmError:
+    """``call()`` raises exactly ChmError, with errno ``err`` (None: any) and every word of ``named``."""
     with pytest.raises(ChmError) as exc:
         call()
-    assert type(exc.value) is ChmError and exc.value.errno == err, exc.value
+    assert type(exc.value) is ChmError and err in (None, exc.value.errno), exc.value
     for word in named:
         assert word in exc.value.message, (word, exc.value.message)
     return exc.value
@@ -330,3 +332,65 @@ def test_submit_and_reap_arguments_are_checked(dev, call, err, words):
     with pytest.raises(ChmError) as exc:
         call(dev)
     assert exc.value.errno == err and words in str(exc.value)
+
+
+# ---- misuse: every method's bad arguments are a ChmError naming the argument (issue #21) --------------------
+
+def released_view() -> memoryview:
+    view = memoryview(bytearray(16))
+    view.release()
+    return view
+
+
+BAD_BUFFERS = [  # (object, words of why it is refused)
+    (memoryview(bytearray(16))[::2], "non-contiguous memoryview (shape (8,), strides (2,))"),  # was BufferError
+    (np.zeros((4, 4))[:, 1], "non-contiguous ndarray"),                                      # was ValueError
+    (released_view(), "released"),                                                           # was ValueError
+    ("text", "not str"), (None, "not NoneType"), (7, "not int"),
+]
+
+
+@pytest.mark.parametrize("obj, why", BAD_BUFFERS, ids=lambda v: type(v).__name__)
+def test_buffers_that_are_not_c_contiguous_bytes_are_einval_naming_the_argument(dev, obj, why):
+    expect_error(lambda: dev.write(0, obj), errno.EINVAL, "data must be a C-contiguous bytes-like object", why)
+    expect_error(lambda: dev.read_into(0, obj), errno.EINVAL, "buf must be a writable C-contiguous", why)
+    expect_error(lambda: dev.submit_read(0, obj), errno.EINVAL, "buf (a writable slice of buffer())", why)
+
+
+def test_a_read_only_buffer_to_read_into_is_einval_naming_its_size(dev):
+    expect_error(lambda: dev.read_into(0, memoryview(b"ro")), errno.EINVAL, "buf", "read-only memoryview of 2 bytes")
+    expect_error(lambda: dev.read_into(0, b"abc"), errno.EINVAL, "buf", "read-only bytes of 3 bytes")
+
+
+BAD_INTEGERS = [None, True, False, 1.5, float("nan"), "1", [1], -1, -2**70, 2**64, 2**200]
+
+
+def test_every_methods_bad_arguments_are_a_chm_error_naming_argument_and_value(dev):
+    handle = dev.prefetch(0, 4096)
+    view = dev.buffer()[:16]
+    calls = {  # method: (its arguments' names in the errors, good arguments)
+        "write": (("address", "data"), (0, b"ab")),
+        "read": (("address", "length"), (0, 2)),
+        "read_into": (("address", "buf"), (0, bytearray(2))),
+        "submit_read": (("address", "buf", "user_data"), (0, view, 0)),
+        "reap": (("min_wait", "max_completions"), (0, 1)),
+        "prefetch": (("address", "size"), (0, 4096)),
+        "wait": (("prefetch handle", "timeout_ms"), (handle, 10)),
+        "poll": (("prefetch handle",), (handle,)),
+        "release": (("prefetch handle",), (handle,)),
+    }
+    for method, (names, good) in calls.items():
+        for i, name in enumerate(names):
+            for value in BAD_INTEGERS:
+                if name == "timeout_ms" and value in (None, 1.5):
+                    continue  # no bound; a fraction of a ms (rounded up)
+                args = list(good)
+                args[i] = value
+                exc = expect_error(lambda: getattr(dev, method)(*args), None, name)
+                assert exc.errno in (errno.EINVAL, errno.ERANGE), (method, name, value, exc)
+                if name in ("data", "buf"):
+                    assert type(value).__name__ in exc.message, (method, value, exc.message)
+                else:
+                    assert repr(value) in exc.message or str(value) in exc.message, (method, value, exc.message)
+    dev.release(handle)
+    assert dev.reap(0) == []  # nothing was submitted
