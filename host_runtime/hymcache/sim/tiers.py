@@ -806,7 +806,8 @@ class ControllerDevice:
         return self.env.now
 
     def info(self) -> dict:
-        return {"capacity_bytes": self.ctl.capacity, "device_epoch": self.ctl.device_epoch, "server_pid": 0}
+        return {"capacity_bytes": self.ctl.capacity, "device_epoch": self.ctl.device_epoch, "server_pid": 0,
+                "page_size": self.ctl.page, "prefetch_limit_pages": self.ctl.prefetch_window_pages}
 
     def prefetch(self, offset: int, length: int) -> int:
         return self.ctl.prefetch(offset, length, self._now()).handle
