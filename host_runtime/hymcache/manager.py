@@ -57,8 +57,8 @@ import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import Clock, WallClock
 from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc, DeviceInfo, ReadToken, to
-from host_runtime.hymcache.rpc import (MAX_BLOCK_BYTES, Payload, RemoteError, RpcClient, RpcServer, RpcTimeout,
-                                       TypedClient, call_of)
+from host_runtime.hymcache.rpc import (ANSWERS_PER_PASS, MAX_BLOCK_BYTES, Payload, RemoteError, RpcClient, RpcServer,
+                                       RpcTimeout, TypedClient, call_of)
 
 LOOKUP_BATCH = 32              # keys per Master lookup, as the worker's Lookup
 WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
@@ -1023,7 +1023,9 @@ class ManagerServer(RpcServer):
                     time.sleep(LOOK_STEP_S)
                 if poller.poll(0 if self.held else int(self.tick_s * 1000)):
                     self._disconnects()  # first: an fd closed before a new connection reused it
-                    while self.sock.poll(0):
+                    for _ in range(ANSWERS_PER_PASS):  # then the held calls' turn, however many more are queued
+                        if not self.sock.poll(0):
+                            break
                         frames = self.sock.recv_multipart(copy=False)
                         if len(frames) >= 3:
                             caller = frames[0].bytes
