@@ -66,17 +66,14 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
 import heapq
 import itertools
 import math
 import os
 import signal
-import struct
 import sys
 import threading
 import tracemalloc
-import zlib
 from collections import OrderedDict
 from typing import Callable, Union
 
@@ -84,9 +81,10 @@ import msgspec
 import numpy as np
 
 from driver.errors import ChmError
-from emulator.media import fsync_dir
 
 from .clock import Clock, WallClock
+from .journal import (SNAPSHOT, Journal, JournalDamage, _AllocRec, _CommitRec, _DeviceState, _DropRec, _FreeRec,
+                      _NodeRec, _Snapshot, frame_record)
 from .messages import KEY_BYTES, BlockLoc, DeviceInfo, WriteLoc, to
 from .rpc import RpcClient, RpcServer, TypedClient
 
@@ -111,7 +109,6 @@ PLACEMENTS = ("round_robin", "load_aware")
 MASTER_METHODS = ("register_node", "nodes", "lookup", "put_start", "put_end", "put_revoke", "remove", "stats")
 
 _SNAPSHOT_FORMAT = "hymcache-master-v1 " + str(ENTRY_DTYPE.descr)  # a layout change refuses old snapshots
-_FRAME = struct.Struct("<II")       # record length, CRC32 of the record
 
 
 # ---------------------------------------------------------------- validation
@@ -160,88 +157,6 @@ def _check_seconds(value, field: str, lo_exclusive: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo_exclusive < value <= MAX_TIMEOUT_S:
         raise ChmError(errno.EINVAL, f"{field} {value!r} must be a number in ({lo_exclusive}, {MAX_TIMEOUT_S}]")
     return float(value)
-
-
-# ---------------------------------------------------------------- journal records
-
-class _NodeRec(msgspec.Struct, tag="n", array_like=True):
-    node: int
-    endpoint: str
-    devices: list[DeviceInfo]
-
-
-class _AllocRec(msgspec.Struct, tag="a", array_like=True):
-    key: bytes
-    node: int
-    device: int
-    offset: int
-    length: int
-    version: int
-
-
-class _CommitRec(msgspec.Struct, tag="c", array_like=True):
-    key: bytes
-    checksum: int
-
-
-class _DropRec(msgspec.Struct, tag="d", array_like=True):
-    key: bytes
-    freed: bool          # False: the block was leased; a _FreeRec frees its extent later
-
-
-class _FreeRec(msgspec.Struct, tag="f", array_like=True):
-    node: int
-    device: int
-    offset: int
-
-
-_Record = Union[_NodeRec, _AllocRec, _CommitRec, _DropRec, _FreeRec]
-
-
-class _DeviceState(msgspec.Struct, array_like=True):
-    node: int
-    device: int
-    head: int
-    used: int
-    freed: list[tuple[int, int]]   # (offset, length) in the order freed
-
-
-class _Snapshot(msgspec.Struct):
-    format: str
-    journal_gen: int
-    lru_next: int
-    version_next: int
-    nodes: list[_NodeRec]
-    devices: list[_DeviceState]
-    rows: bytes                    # the table's rows that are not FREE, raw ENTRY_DTYPE
-
-
-_rec_encode = msgspec.msgpack.Encoder().encode
-_rec_decode = msgspec.msgpack.Decoder(_Record).decode
-_snap_decode = msgspec.msgpack.Decoder(_Snapshot).decode
-
-
-def _frame(rec) -> bytes:
-    body = _rec_encode(rec)
-    return _FRAME.pack(len(body), zlib.crc32(body)) + body
-
-
-def _read_journal(path: str) -> list:
-    """The records of a journal, up to the first torn or damaged one (a write cut by a crash)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return []
-    records, pos = [], 0
-    while pos + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, pos)
-        body = data[pos + _FRAME.size:pos + _FRAME.size + length]
-        if len(body) != length or zlib.crc32(body) != crc:
-            break
-        records.append(_rec_decode(body))
-        pos += _FRAME.size + length
-    return records
 
 
 # ---------------------------------------------------------------- one device's space
@@ -311,7 +226,7 @@ class Master:
     def __init__(self, clock: Clock, state_dir: str | None = None, *, lease_s: float = 10.0,
                  lease_max_s: float = 30.0, put_timeout_s: float = 30.0, high_watermark: float = 0.90,
                  low_watermark: float = 0.85, placement: str = "round_robin", snapshot_every: int = 100_000,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, recover_damaged: bool = False):
         self.lease_s = _check_seconds(lease_s, "lease_s")
         self.lease_max_s = _check_seconds(lease_max_s, "lease_max_s")
         if self.lease_max_s < self.lease_s:
@@ -351,21 +266,24 @@ class Master:
             "lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "put_blocks", "registered_blocks",
             "revoked_blocks", "removed_blocks", "evictions", "stale_blocks", "put_no_space"), 0)
 
-        self.state_dir = state_dir
-        self._journal_fd = -1
-        self._journal_buf: list[bytes] = []
-        self._journal_dirty = False           # written but not fsync'd
-        self._records_since_snapshot = 0
-        self._journal_gen = 0
+        self.state_dir = None if state_dir is None else str(state_dir)
+        self._journal: Journal | None = None
         self._replaying = False
-        self._lock_fd = -1
         if state_dir is not None:
-            self._recover(state_dir)
+            self._journal = Journal(self.state_dir, self.snapshot_every, self.log)
+            try:
+                self._recover(recover_damaged)
+            except BaseException:
+                self._journal.close()
+                raise
 
     # ------------------------------------------------------------ time
 
     def _now_ms(self) -> int:
-        now = int((self.clock.now() - self._time_base) * 1000)
+        elapsed = self.clock.now() - self._time_base
+        if not math.isfinite(elapsed):
+            raise ChmError(errno.EINVAL, f"clock time {self.clock.now()!r} must be a finite number of seconds")
+        now = int(elapsed * 1000)
         if now >= _REBASE_MS:
             now = self._rebase(now)
         return max(now, 0)
@@ -375,7 +293,10 @@ class Master:
         self._time_base += now_ms / 1000
         for column in ("lease_until", "lease_cap", "put_deadline"):
             col = self._table[column]
-            col[:] = np.where(col > now_ms, col.astype(np.int64) - now_ms, 0)
+            if now_ms > 0xFFFFFFFF:  # past every u4 time (and past int64 arithmetic at >= 2^63)
+                col[:] = 0
+            else:
+                col[:] = np.where(col > now_ms, col.astype(np.int64) - now_ms, 0)
         for dev in self._all_devices():
             dev.evict_retry_ms = 0
         return 0
@@ -463,7 +384,14 @@ class Master:
             seen.add(d.device)
         with self._lock:
             now = self._now_ms()
-            self._log(_NodeRec(node, endpoint, devices))
+            self._journal_ready("register_node")
+            if self._journal is not None:  # durable before it is applied: a failure changes nothing
+                self._log(_NodeRec(node, endpoint, devices))
+                try:
+                    self._journal.flush(durable=True)
+                except ChmError as exc:
+                    self._journal.discard(1)
+                    raise ChmError(exc.errno, f"register_node {node}: not registered: {exc.message}") from None
             self._apply_node(node, endpoint, devices, now)
             self._journal_flush(durable=True)
 
@@ -603,7 +531,7 @@ class Master:
                 self._log(_AllocRec(key, node, device, offset, size, version))
                 placed.append(key)
                 result[i] = WriteLoc(key, node, device, offset, size, version)
-            self.counters["put_blocks"] += len(placed)
+            self._journal_ready(f"put_start of request {request_id}")
             self._evict_over_watermark(dev, now)
             self._journal_flush(durable=False)
             return result
@@ -639,14 +567,21 @@ class Master:
         with self._lock:
             now = self._now_ms()
             self._expire(now)
-            registered = 0
+            committed = []
             for key, checksum, version in zip(keys, checksums, versions):
                 if self._started_as(key, version) and self._commit(key, checksum):
                     self._log(_CommitRec(key, checksum))
-                    registered += 1
-            self.counters["registered_blocks"] += registered
-            self._journal_flush(durable=True)
-            return registered
+                    committed.append(key)
+            try:
+                self._journal_write(durable=True)  # the ack goes out only once its records are durable
+            except ChmError as exc:
+                for k in committed:  # not leased yet: freed at once, by records of their own
+                    self._drop(k, now)
+                self.counters["revoked_blocks"] += len(committed)
+                raise ChmError(exc.errno, f"put_end: {len(committed)} blocks not registered (their put_starts "
+                                          f"are revoked): {exc.message}") from None
+            self.counters["registered_blocks"] += len(committed)
+            return len(committed)
 
     def _started_as(self, key: bytes, version: int | None) -> bool:
         """Is ``key`` in flight from the put_start that returned ``version`` (None: from any)?"""
@@ -682,7 +617,14 @@ class Master:
                     self._drop(key, now)
                     revoked += 1
             self.counters["revoked_blocks"] += revoked
-            self._journal_flush(durable=False)
+            try:
+                self._journal_write(durable=False)
+            except ChmError as exc:
+                for k in placed:  # undone by records of their own: memory stays what the journal replays to
+                    self._drop(k, now)
+                raise ChmError(exc.errno, f"put_start of request {request_id}: nothing allocated: "
+                                          f"{exc.message}") from None
+            self.counters["put_blocks"] += len(placed)
             return revoked
 
     def remove(self, keys: list) -> int:
@@ -690,6 +632,7 @@ class Master:
         keys = _check_keys(keys)
         with self._lock:
             now = self._now_ms()
+            self._journal_ready("put_end")
             self._expire(now)
             removed = 0
             for key in keys:
@@ -707,10 +650,11 @@ class Master:
         high watermark."""
         with self._lock:
             self._expire(self._now_ms())
-            self._journal_flush(durable=False)
+            self._journal_write_after_change("put_revoke", revoked)
 
     def tick(self) -> None:
-        """The server's tick: expire, and make the journal durable."""
+        """The server's tick: expire, and make the journal durable. Its I/O errors are logged (once, by the
+        journal) and retried at the next tick, never raised: a full disk must not end the server."""
         with self._lock:
             self._expire(self._now_ms())
             self._journal_flush(durable=True)
@@ -726,6 +670,7 @@ class Master:
             self._drop(t["key"][row].tobytes(), now, hold_until_ms=now + self._put_timeout_ms)
             self.counters["revoked_blocks"] += 1
         heap, draining = self._drain_heap, self._draining
+            self._journal_ready("put_revoke")
         while heap:
             _, row, extent = heap[0]
             if draining.get(extent) != row:
@@ -742,6 +687,7 @@ class Master:
             if dev.used > self.high_watermark * dev.capacity and dev.evict_retry_ms <= now:
                 self._evict_over_watermark(dev, now)
 
+            self._journal_ready("remove")
     def _evictable(self, dev: _Device, now: int) -> np.ndarray:
         """Rows of complete, unleased blocks of ``dev``, least recently used first."""
         t = self._table[:self._rows_used]
@@ -785,44 +731,62 @@ class Master:
             self._expire(self._now_ms())
             meta = self.metadata_bytes()
             devices = [dev.space() for dev in self._all_devices()]
-            self._journal_flush(durable=False)
+            self._journal_write_after_change("remove", removed)
             return {**self.counters, "entries": meta["entries"], "bytes_per_entry": meta["bytes_per_entry"],
                     "metadata_bytes": meta["total_bytes"], "pending_blocks": len(self._pending),
                     "blocks": len(self._index) - len(self._pending),  # complete: what lookups can find
                     "used_bytes": sum(d["used_bytes"] for d in devices),
-                    "capacity_bytes": sum(d["capacity_bytes"] for d in devices), "devices": devices}
+                    "capacity_bytes": sum(d["capacity_bytes"] for d in devices), "devices": devices,
+                    # failed journal writes and snapshots; records waiting for the disk (changes refused meanwhile)
+                    "journal_errors": self._journal.errors if self._journal else 0,
+                    "journal_unwritten_records": self._journal.unwritten if self._journal else 0}
 
-    # ------------------------------------------------------------ journal and snapshot
+    # ------------------------------------------------------------ journal and snapshot (the files: journal.py)
 
     def _log(self, rec) -> None:
-        if self._journal_fd >= 0 and not self._replaying:
-            self._journal_buf.append(_frame(rec))
+        if self._journal is not None and not self._replaying:
+            self._journal.append(frame_record(rec))
+
+    def _journal_ready(self, call: str) -> None:
+        """Before a change: what earlier calls queued is written first, or ``call`` is refused (nothing changed)."""
+        if self._journal is not None:
+            try:
+                self._journal.flush(durable=False)
+            except ChmError as exc:
+                raise ChmError(exc.errno, f"{call} refused: {exc.message}") from None
+
+    def _journal_write(self, durable: bool) -> None:
+        """Write (``durable``: and fsync) what this call queued; a failure raises (``Journal.flush``)."""
+        if self._journal is not None:
+            self._journal.flush(durable)
+            self._maybe_snapshot()
 
     def _journal_flush(self, durable: bool) -> None:
-        if self._journal_fd < 0:
-            return
-        if self._journal_buf:
-            data = b"".join(self._journal_buf)
-            self._records_since_snapshot += len(self._journal_buf)
-            self._journal_buf.clear()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._journal_fd, view):]
-            self._journal_dirty = True
-        if durable and self._journal_dirty:
-            os.fsync(self._journal_fd)
-            self._journal_dirty = False
-        if self._records_since_snapshot >= self.snapshot_every:
-            self._snapshot()
+        """``_journal_write`` for calls with no change of their own to acknowledge (lookups, ticks): on failure the
+        records stay queued for the next write (the journal logs it) and the call goes on."""
+        try:
+            self._journal_write(durable)
+        except ChmError:
+            pass
 
-    def _journal_path(self, gen: int) -> str:
-        return os.path.join(self.state_dir, f"journal-{gen}")
+    def _journal_write_after_change(self, call: str, count: int) -> None:
+        """put_revoke, remove: the change stands in memory (its records wait in the queue), the caller hears."""
+        try:
+            self._journal_write(durable=False)
+        except ChmError as exc:
+            raise ChmError(exc.errno, f"{call}: {count} blocks gone here but not yet journaled (a restart before "
+                                      f"the journal is written again brings them back): {exc.message}") from None
+
+    def _maybe_snapshot(self) -> None:
+        if self._journal.snapshot_due():
+            try:
+                self._snapshot()
+            except ChmError as exc:
+                self.log(f"master: {exc.message}")  # the journal goes on; retried snapshot_every records later
 
     def _snapshot(self) -> None:
-        """Write the whole state, then start the next journal generation and drop the old one."""
-        if self._journal_dirty:
-            os.fsync(self._journal_fd)
-        gen = self._journal_gen + 1
+        """Write the whole state as the next generation's base (``Journal.write_snapshot``)."""
+        gen = self._journal.next_gen()
         t = self._table[:self._rows_used]
         snap = _Snapshot(
             format=_SNAPSHOT_FORMAT, journal_gen=gen, lru_next=self._lru_next, version_next=self._version_next,
@@ -831,78 +795,87 @@ class Master:
             devices=[_DeviceState(d.node, d.info.device, d.head, d.used, list(d.freed.items()))
                      for d in self._all_devices()],
             rows=t[t["state"] != FREE].tobytes())
-        path = os.path.join(self.state_dir, "snapshot.msgpack")
-        with open(path + ".tmp", "wb") as f:
-            f.write(msgspec.msgpack.encode(snap))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fsync_dir(self.state_dir)
-        old_fd, old_gen = self._journal_fd, self._journal_gen
-        self._open_journal(gen)
-        if old_fd >= 0:
-            os.close(old_fd)
-            _remove(self._journal_path(old_gen))
-        self._records_since_snapshot = 0
+        self._journal.write_snapshot(msgspec.msgpack.encode(snap), gen)
 
-    def _open_journal(self, gen: int) -> None:
-        self._journal_fd = os.open(self._journal_path(gen), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        self._journal_gen = gen
-        self._journal_dirty = False
-        fsync_dir(self.state_dir)
-
-    def _recover(self, state_dir: str) -> None:
-        os.makedirs(state_dir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise ChmError(errno.EBUSY, f"state dir {state_dir} is in use by another Master "
-                                        f"(pid {holder or '?'})") from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
-        gen = 0
-        snap_path = os.path.join(state_dir, "snapshot.msgpack")
+    def _recover(self, recover_damaged: bool) -> None:
+        """Load the state dir (journal.py says what is damage), revoke what does not survive a restart, and make
+        the result the new base."""
+        j = self._journal
+        loaded = j.load(_SNAPSHOT_FORMAT, recover_damaged)
+        snap_path = os.path.join(self.state_dir, SNAPSHOT)
         self._replaying = True
         try:
-            if os.path.exists(snap_path):
-                with open(snap_path, "rb") as f:
-                    gen = self._load_snapshot(f.read(), snap_path)
-            records = _read_journal(os.path.join(state_dir, f"journal-{gen}"))
-            for rec in records:
-                self._replay(rec)
+            if loaded.snapshot is not None:
+                try:
+                    self._load_snapshot(loaded.snapshot, snap_path)
+                except ChmError as exc:
+                    raise JournalDamage(snap_path, 0, f"it does not load ({exc.message})") from None
+            for offset, rec in loaded.scan.records:
+                try:
+                    self._replay(rec)
+                except Exception as exc:  # a valid frame whose change cannot be made: damage too
+                    reason = f"the record does not replay ({exc})"
+                    if not recover_damaged:
+                        raise JournalDamage(loaded.path, offset, reason) from None
+                    loaded.damage.append((loaded.path, offset, reason))
+                    loaded.aside.append(loaded.path)
+                    loaded.lost_records[:0] = [r for _, r in loaded.scan.records[replayed:]]
+                    break
+                replayed += 1
         finally:
             self._replaying = False
-        # leases and put_starts in flight do not survive a restart
+        if loaded.scan.torn:
+            self.log(f"master: {loaded.path}: dropped a torn last record, never acknowledged: {loaded.scan.torn}")
+        try:
+            j.open(loaded)
+        except OSError as exc:
+            raise ChmError(exc.errno, f"state dir {self.state_dir}: cannot open {loaded.path}: {exc.strerror}") from None
+        # leases and put_starts in flight do not survive a restart (records: the journal may go on from here)
         now = self._now_ms()
         for row in list(self._pending):
             self._drop(self._table["key"][row].tobytes(), now)
         for extent, row in list(self._draining.items()):
             self._free_extent(row)
             self._release_row(row)
-        self._draining.clear()
         self._drain_heap.clear()
         for column in ("lease_until", "lease_cap", "put_deadline"):
             self._table[column] = 0
-        self._journal_gen = gen
-        self._snapshot()  # the recovered state is the new base; the replayed journal goes
-        for name in os.listdir(state_dir):
-            if name.startswith("journal-") and name != f"journal-{self._journal_gen}":
-                _remove(os.path.join(state_dir, name))
-        self.log(f"master: recovered {len(self._index)} blocks from {state_dir} "
-                 f"(snapshot generation {gen}, {len(records)} journal records)")
-
-    def _load_snapshot(self, data: bytes, path: str) -> int:
+        lost = self._lost_report(loaded, replayed) if loaded.aside else []
+        aside = j.keep_aside(loaded, lost)
         try:
-            snap = _snap_decode(data)
-        except msgspec.DecodeError as exc:
-            raise ChmError(errno.EIO, f"snapshot {path} is damaged: {exc}") from None
-        if snap.format != _SNAPSHOT_FORMAT:
-            raise ChmError(errno.EINVAL, f"snapshot {path} has format {snap.format!r}; this Master reads "
-                                         f"{_SNAPSHOT_FORMAT!r}")
+            self._snapshot()  # the recovered state is the new base; the replayed journal goes
+        except ChmError as exc:
+            if j.fd < 0:  # nothing to go on with: the damaged files stay as they were
+                j.undo_aside(aside)
+                raise ChmError(exc.errno, f"state dir {self.state_dir}: the recovered state cannot be written, "
+                                          f"nothing was moved or deleted: {exc.message}") from None
+            self.log(f"master: {exc.message}")
+            self._journal_flush(durable=True)  # the revocations above, appended to the journal replayed
+        j.finish(loaded)
+        self.log(f"master: recovered {len(self._index)} blocks from {self.state_dir} (snapshot generation "
+                 f"{max(loaded.gen, 0)}, {replayed} journal records)")
+        if aside:
+            for line in lost[:12]:
+                self.log(f"master: recovery: {line}")
+            self.log(f"master: recovery: the damaged files are kept in {aside}; report.txt there lists what was lost")
+
+    def _lost_report(self, loaded, replayed: int) -> list[str]:
+        """What ``recover_damaged`` lost: the damage, and every block registered past it that is not back."""
+        lines = [f"damaged: {path} at offset {offset}: {reason}" for path, offset, reason in loaded.damage]
+        if loaded.lost_snapshot:
+            lines.append("the snapshot is unreadable: every block it held is lost (how many cannot be read), and "
+                         "no journal could be replayed without it")
+        committed = {rec.key for rec in loaded.lost_records if isinstance(rec, _CommitRec)}
+        lost = sorted(k for k in committed
+                      if k not in self._index or self._table["state"][self._index[k]] != COMPLETE)
+        lines.append(f"recovered: {len(self._index)} blocks ({replayed} journal records replayed); not replayed: "
+                     f"{len(loaded.lost_records)} readable records past the damage")
+        lines.append(f"lost: {len(lost)} registered blocks (their put_end is in the records not replayed)"
+                     + (":" if lost else ""))
+        lines += [f"lost block {k.hex()}" for k in lost]
+        return lines
+
+    def _load_snapshot(self, snap: _Snapshot, path: str) -> int:
         now = self._now_ms()
         for rec in snap.nodes:
             self._apply_node(rec.node, rec.endpoint, rec.devices, now)
@@ -919,6 +892,7 @@ class Master:
         self._table = np.zeros(size, ENTRY_DTYPE)
         self._table[:len(rows)] = rows
         self._rows_used = len(rows)
+        replayed = 0
         for row in range(len(rows)):
             state = int(rows["state"][row])
             if state == DRAINING:
@@ -933,6 +907,8 @@ class Master:
         return snap.journal_gen
 
     def _replay(self, rec) -> None:
+            del self._draining[extent]
+            self._log(_FreeRec(*extent))
         """Apply one journal record through the same code as the live call."""
         if isinstance(rec, _NodeRec):
             self._apply_node(rec.node, rec.endpoint, rec.devices, 0)
@@ -956,29 +932,26 @@ class Master:
                 self._release_row(row)
 
     def close(self) -> None:
-        """Snapshot (if persistent) and let go of the state dir."""
+        """Snapshot (if persistent) and let go of the state dir. A write that fails is logged: everything
+        acknowledged is in the journal already."""
         with self._lock:
-            if self._journal_fd >= 0:
-                self._journal_flush(durable=True)
-                self._snapshot()
-                os.close(self._journal_fd)
-                self._journal_fd = -1
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+            j = self._journal
+            if j is None:
+                return
+            if j.fd >= 0:
+                for step in (lambda: j.flush(durable=True), self._snapshot):
+                    try:
+                        step()
+                    except ChmError as exc:
+                        self.log(f"master: closing: {exc.message}")
+            j.close()
+            self._journal = None
 
     def __enter__(self) -> "Master":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 # ---------------------------------------------------------------- measurement
@@ -992,6 +965,8 @@ def measure_bytes_per_entry(entries: int = 1 << 16, block_bytes: int = 16 << 20)
     if not was_tracing:
         tracemalloc.start()
     try:
+                if offset is not None:
+                    dev.free(offset, rec.length)  # recover_damaged goes on from the state before this record
         keys = [i.to_bytes(KEY_BYTES, "little") for i in range(entries)]
         base = tracemalloc.get_traced_memory()[0]
         master = Master(ManualClock(), put_timeout_s=MAX_TIMEOUT_S, high_watermark=1.0, low_watermark=1.0)

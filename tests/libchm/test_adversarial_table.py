@@ -2,17 +2,21 @@
 client-side defects they showed: a client at its own fd limit, and a block that can never be staged."""
 
 import errno
+import json
 import os
 import subprocess
 import sys
+import tracemalloc
 import types
+from array import array
 
 import pytest
 import xxhash
 
 import libchm
 from emulator.config import load_profile
-from emulator.controller import Controller
+from emulator.controller import Controller, sequential_ops
+from emulator.media import media_file
 from host_runtime.hymcache.clock import ManualClock
 from host_runtime.hymcache.manager import KVManager
 from host_runtime.hymcache.master import Master
@@ -153,3 +157,61 @@ def test_a_block_beyond_this_handles_share_is_decided_from_numbers_not_words(tmp
             assert probe.info()["prefetch_limit_pages"] == 4
             key, _ = stored_block(master, probe.write, BIG)
             assert_served_unstaged(mgr, key)
+
+
+# ---- media truncated or deleted under a served device ------------------------------------------------
+
+def test_media_truncated_or_deleted_under_chm_serve_is_eio_naming_the_file_and_the_device_serves_on(tmp_path):
+    # The in-process rows are tests/emulator/test_media_integrity.py's; this is the client's view through libchm.
+    media = tmp_path / "media"
+    data = os.urandom(4 * PAGE)
+    with Server(media) as srv, Device(srv.node) as d:
+        d.write(0, data)
+        d.write(8 * PAGE, data)
+        d.flush()  # on the media, and out of the write buffer: the next reads go to the SSD files
+        os.unlink(media_file(media, 1))  # deleted: the device still holds it open, its bytes stay readable
+        os.truncate(media_file(media, 0), 0)
+        results = {}
+        for addr in (0, 8 * PAGE):  # one of them lies on ssd0 (the striping decides which)
+            try:
+                results[addr] = d.read(addr, len(data))
+            except ChmError as exc:
+                results[addr] = exc
+        errors = [r for r in results.values() if isinstance(r, ChmError)]
+        assert errors, results
+        for exc in errors:
+            assert exc.errno == errno.EIO and "ssd0.img" in exc.message, exc  # the device's words, via the binding
+        assert all(r == data for r in results.values() if not isinstance(r, ChmError))
+        d.write(16 * PAGE, b"still serving")
+        assert d.read(16 * PAGE, 13) == b"still serving"
+        assert d.stats()["read_failures"] >= 1
+        with Device(srv.node) as other:  # and still attaching
+            assert other.info()["clients"] == 2
+
+
+# ---- stats() after 2 M operations ----------------------------------------------------------------------
+
+def snapshot_cost(ctl: Controller) -> tuple[dict, int, int]:
+    """``ctl.snapshot()`` (the served stats() is it plus the client's fields), its JSON size and its peak allocation."""
+    tracemalloc.start()
+    try:
+        snap = ctl.snapshot()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return snap, len(json.dumps(snap)), peak
+
+
+def test_stats_after_two_million_operations_cost_what_they_cost_after_a_tenth_of_them():
+    cfg = load_profile("small").with_overrides({"emulation.data": False, "policy.name": "lru"})
+    few, many = Controller(cfg, None), Controller(cfg, None)
+    assert many.native_sequential_problem() is None  # 2 M operations in C: a second, not minutes
+    kinds, _, _ = sequential_ops([("read", 0, 0)])
+    n = 2_000_000
+    addrs = array("Q", [(i % 4096) * PAGE for i in range(n)])
+    few.run_sequential(kinds * (n // 10), addrs[:n // 10], array("Q", [4096]) * (n // 10))  # the same pages
+    assert many.run_sequential(kinds * n, addrs, array("Q", [4096]) * n).native_ops == n
+    (small, small_bytes, small_peak), (big, big_bytes, big_peak) = snapshot_cost(few), snapshot_cost(many)
+    assert big["reads"] == n and big["latency"]["read"]["count"] == n
+    assert big_bytes <= small_bytes + 64, (small_bytes, big_bytes)  # wider numbers, nothing more
+    assert big_peak <= small_peak + 1024, (small_peak, big_peak)  # no per-operation state to walk
