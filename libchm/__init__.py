@@ -296,6 +296,9 @@ class Device:
         return [(out[i].user_data, out[i].res, out[i].latency_ns) for i in range(n)]
 
     def prefetch(self, addr: int, size: int) -> int:
+        """Stage ``size`` bytes at ``addr``; the handle for ``wait``/``poll``/``release``. EBUSY while the window (or
+        this handle's share of it) is full; EINVAL, naming the limit, for an object that can never fit: more pages
+        than ``info()["prefetch_limit_pages"]``."""
         addr = self._address(addr)
         size = self._length("size", size, addr)
         page, limit = self._page_size, self._prefetch_limit

@@ -95,9 +95,10 @@ struct chm_completion {
  * '/' is used as is; NULL: $CHM_DEVICE, else "chm0"). Returns 0, -ENODEV if
  * no live device is there, -EPROTO on a wire version mismatch, -EINVAL for a
  * bad name or option (one outside the range its field names, e.g. a
- * prefetch_share not 0 nor in (0, 1]), -ENOMEM, or another -errno of the
- * attach. An older caller's smaller opts (its .size) takes the defaults for
- * the fields it lacks. */
+ * prefetch_share not 0 nor in (0, 1]), -ENOMEM, -EMFILE (this process is at
+ * its fd limit: attaching needs 3 free fds, an open device keeps 2) or
+ * -ENFILE (the system's), or another -errno of the attach. An older caller's
+ * smaller opts (its .size) takes the defaults for the fields it lacks. */
 int     chm_open(const char *path, chm_dev **dev);
 int     chm_open_opts(const char *path, const struct chm_open_opts *opts, chm_dev **dev);
 /* Detach: the device releases this handle's prefetch handles, and the
