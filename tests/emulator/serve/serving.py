@@ -39,14 +39,16 @@ def compile_c(source: Path, out: Path, *extra: str) -> Path:
 class Server:
     """`chm serve` in a subprocess; stopped (SIGTERM) on exit of the with-block."""
 
-    def __init__(self, media: Path, node: str | None = None, *args: str, wait: bool = True):
+    def __init__(self, media: Path, node: str | None = None, *args: str, wait: bool = True, preexec_fn=None):
+        """``preexec_fn``: run in the child before it starts (resource limits: prlimit's job)."""
         self.node = node or unique_node()
         self.media = media
         self.args = args
         # `python -m emulator.serve` is `chm serve` without loading every other subcommand (faster start);
         # tests/emulator/serve/test_cli.py runs the `chm` command itself.
         self.cmd = [sys.executable, "-m", "emulator.serve", "--node", self.node, "--media", str(media), *args]
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     preexec_fn=preexec_fn)
         self.banner = ""
         if wait:
             self.wait_ready()
