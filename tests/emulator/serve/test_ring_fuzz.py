@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 
 import libchm
+from emulator.cli import main as chm_main
 from driver.wire import ffi, lib, read_node
 from tests.driver.rawclient import RawClient
 from tests.emulator.serve.serving import Server
@@ -199,7 +200,7 @@ def test_fuzz_the_queue_pair(served, request):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-loop", "python-loop"])
-def test_bad_entries_detach_the_client_and_nobody_else(tmp_path, native):
+def test_bad_entries_detach_the_client_and_nobody_else(tmp_path, capsys, native):
     n = 8
     args = ("--max-bad-entries", str(n)) + (() if native else ("--no-native-hits",))
     with Server(tmp_path / "media", None, *args) as srv:
@@ -222,6 +223,10 @@ def test_bad_entries_detach_the_client_and_nobody_else(tmp_path, native):
         assert stats["clients_detached_bad"] == 1 and stats["bad_entries_by_client"] == {
             str(neighbour.hdr.client_id): {"opcode": 1}}
         assert read_node(srv.node)["clients"] == 2
+        assert chm_main(["stats", srv.node]) == 0  # `chm stats` shows them
+        out = capsys.readouterr().out
+        assert f"bad entries: {n + 1} (len {n - 1}, " in out and "clients detached for them: 1 (limit 8 " in out
+        assert f"    client {neighbour.hdr.client_id}: 1 (opcode 1)" in out
         bad.close()
         neighbour.close()
         good.close()
