@@ -618,7 +618,7 @@ class DeviceServer:
     def _bad_why(self, c: Client, e, err: int, field: str) -> str:
         """What is wrong with field ``field`` of ``e``: the field, its value and the range allowed."""
         op, value = e.opcode, getattr(e, field)
-        name = OPCODE_NAMES.get(op, f"opcode {op}")
+        name = OPCODE_NAMES.get(op, "entry")  # "entry opcode 0 ...": no name of its own
         cap, staging = self.ctl.capacity, c.staging_bytes
         if field == "opcode":
             allowed = f"valid: 1..{lib.CHM_OP_MAX}"
@@ -661,8 +661,9 @@ class DeviceServer:
         self._log_limited(f"bad:{field}", msg)
         if self.max_bad_entries and c.bad_total >= self.max_bad_entries:
             self.clients_detached_bad += 1
+            fields = ", ".join(f"{f} {n}" for f, n in c.bad_entries.items())
             self._log_limited("bad-detach", f"client {c.id} (pid {c.pid}) detached after {c.bad_total} bad entries "
-                                            f"(--max-bad-entries {self.max_bad_entries}): {c.bad_entries}")
+                                            f"(--max-bad-entries {self.max_bad_entries}): {fields}")
             self._detach(c, "too many bad entries")
 
     def _failed(self, c: Client, exc: ChmError, start: float, timeout_ns: int) -> tuple[int, float]:

@@ -234,3 +234,22 @@ def test_bad_entries_detach_the_client_and_nobody_else(tmp_path, capsys, native)
     assert rc == 0, err
     assert f"detached after {n} bad entries" in err
     assert err.count("submitted a bad entry: READ len") == 1  # logged once per 10 s, not once per entry
+
+
+def test_max_bad_entries_is_checked(capsys):
+    from emulator.config import load_profile
+    from emulator.errors import ChmError
+    from emulator.serve.server import DeviceServer
+
+    for bad in (-1, 2**32 + 1, 1.5, True, "8"):
+        with pytest.raises(ChmError) as exc:  # before anything is made: no node, no media
+            DeviceServer(load_profile("small"), None, node="never-made", max_bad_entries=bad)
+        assert exc.value.errno == errno.EINVAL and f"max_bad_entries {bad!r} is outside [0, {2**32}]" in str(exc.value)
+    for text in ("-1", "4294967297", "eight"):
+        try:
+            rc = chm_main(["serve", "--max-bad-entries", text])
+        except SystemExit as exc:
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2 and "argument --max-bad-entries: " in err and text in err, err
+        assert "must be in [0, 4294967296] (0: never detach)" in err or f"{text!r} is not a whole number" in err, err
