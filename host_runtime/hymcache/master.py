@@ -70,6 +70,7 @@ import heapq
 import itertools
 import math
 import os
+import reprlib
 import signal
 import sys
 import threading
@@ -123,7 +124,8 @@ def _check_int(value, field: str, lo: int, hi: int) -> int:
 
 def _check_list(values, field: str) -> list:
     if not isinstance(values, (list, tuple)):
-        raise ChmError(errno.EINVAL, f"{field} must be a list, got {type(values).__name__}")
+        raise ChmError(errno.EINVAL, f"{field} must be a list of at most {MAX_BATCH} items, got "
+                                     f"{type(values).__name__} {reprlib.repr(values)}")
     if len(values) > MAX_BATCH:
         raise ChmError(errno.EINVAL, f"{field}: {len(values)} items; at most {MAX_BATCH} per call")
     return list(values)

@@ -126,12 +126,13 @@ def rss_bytes(pid: int) -> int:
 # ---- random bytes, truncated MessagePack, wrong types -------------------------------------------------------
 KEY = os.urandom(16)
 WRONG_TYPES = {
-    "master": [(call("lookup", "abc"), "keys must be a list, got str"),
+    "master": [(call("lookup", "abc"), "keys must be a list of at most 65536 items, got str 'abc'"),
                (call("lookup", [1, 2]), "keys[0] must be 16 bytes, got int"),
                (call("put_start", 1, [KEY], [BLOCK]), "request_id 1"),
                (call("put_end", [KEY], ["c"]), "checksums[0] 'c' must be an int"),
                (call("register_node", "x", "tcp://h:1", []), "node 'x' must be an int in [0, 65535]"),
-               (call("register_node", 0, "tcp://h:1", "junk"), "devices must be a list, got str"),
+               (call("register_node", 0, "tcp://h:1", "junk"),
+                "devices must be a list of at most 65536 items, got str 'junk'"),
                (call("lookup"), "bad call of lookup"),
                (call("no_such", []), "unknown method 'no_such'")],
     "manager": [(call("hint", 5, [KEY]), "request_id 5 must be a str"),
