@@ -150,7 +150,7 @@ def test_random_bytes_truncated_messagepack_and_wrong_types_answer_einval(servic
     rng = random.Random(21)
     good = call("stats")
     attacks = [([b"only-a-call-id"], "malformed call of 1 frame(s)"),
-               ([b"c", b"\x91" * 100_000], "nested"),                     # deeper than the decoder goes (was EIO)
+               ([b"c", b"\x91" * 100_000], "recursion depth"),            # deeper than the decoder goes (was EIO)
                ([b"c", b"\xdd\xff\xff\xff\xff"], "truncated"),            # an array claiming 4 G items, none sent
                ([b"c", msgspec.msgpack.encode(5)], "malformed call header 5"),
                ([b"c", msgspec.msgpack.encode(["stats", [], 3])], "a call's header is MessagePack [method"),
@@ -167,7 +167,7 @@ def test_random_bytes_truncated_messagepack_and_wrong_types_answer_einval(servic
     sock = dealer(services.endpoints[service])
     try:
         for frames, words in attacks:
-            assert_einval(ask(sock, frames), words.replace("nested", "recursion depth"))
+            assert_einval(ask(sock, frames), words)
         assert ask(sock, [b"ok", good])[0] == 0  # the same connection is served after its bad calls
     finally:
         sock.close(0)
