@@ -80,6 +80,11 @@ def register(sub) -> None:
                                   "SIGINT/SIGTERM.")
     _common_server_args(m)
     m.add_argument("--state-dir", metavar="DIR", help="snapshot and journal: a restarted Master recovers from it")
+    m.add_argument("--recover-damaged", action="store_true",
+                   help="start even if the state dir is damaged: keep what can be read, keep a copy of the damaged "
+                        "files in DIR/damaged-N/ and report there what was lost (default: refuse to start)")
+    m.add_argument("--snapshot-every", type=int_at_least(1), default=100_000, metavar="N",
+                   help="write a snapshot and start a new journal every N records (default 100000)")
     m.add_argument("--lease", type=float_in(0, lo_open=True), default=10.0, metavar="S",
                    help="read lease granted by a lookup (default 10)")
     m.add_argument("--lease-max", type=float_in(0, lo_open=True), default=30.0, metavar="S",
@@ -244,15 +249,19 @@ def _master(args) -> int:
     endpoint = _endpoint(args)
     keys = _curve(args)
     Master, serve_master = _need("master", ("Master", "serve_master"))
-    if args.state_dir:
-        os.makedirs(args.state_dir, exist_ok=True)
+    if args.recover_damaged and not args.state_dir:
+        raise UsageError("--recover-damaged needs --state-dir")
+
+    def log(msg: str) -> None:
+        print(f"chm hymcache master: {msg}", file=sys.stderr, flush=True)
+
     master = Master(WallClock(), args.state_dir, lease_s=args.lease, lease_max_s=args.lease_max,
                     put_timeout_s=args.put_timeout, high_watermark=args.high_watermark,
-                    low_watermark=args.low_watermark, placement=args.placement,
-                    log=lambda msg: print(f"chm hymcache master: {msg}", file=sys.stderr, flush=True))
+                    low_watermark=args.low_watermark, placement=args.placement, snapshot_every=args.snapshot_every,
+                    recover_damaged=args.recover_damaged, log=log)
     exporter = None
     try:
-        server = _bind(lambda: serve_master(master, endpoint, curve_keys=keys), endpoint)
+        server = _bind(lambda: serve_master(master, endpoint, curve_keys=keys, log=log), endpoint)
         if args.metrics_port:
             exporter = StatsExporter("master", master.stats, port=args.metrics_port, host=args.bind)
             chain_tick(server, exporter)

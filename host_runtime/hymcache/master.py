@@ -482,6 +482,7 @@ class Master:
         sizes = [_check_int(s, f"sizes[{i}]", 1, MAX_LENGTH) for i, s in enumerate(sizes)]
         with self._lock:
             now = self._now_ms()
+            self._journal_ready(f"put_start of request {request_id}")
             self._expire(now)
             self.counters["put_requests"] += 1
             todo, seen = [], set()
@@ -533,9 +534,15 @@ class Master:
                 self._log(_AllocRec(key, node, device, offset, size, version))
                 placed.append(key)
                 result[i] = WriteLoc(key, node, device, offset, size, version)
-            self._journal_ready(f"put_start of request {request_id}")
             self._evict_over_watermark(dev, now)
-            self._journal_flush(durable=False)
+            try:
+                self._journal_write(durable=False)
+            except ChmError as exc:
+                for k in placed:  # undone by records of their own: memory stays what the journal replays to
+                    self._drop(k, now)
+                raise ChmError(exc.errno, f"put_start of request {request_id}: nothing allocated: "
+                                          f"{exc.message}") from None
+            self.counters["put_blocks"] += len(placed)
             return result
 
     def _add_pending(self, key: bytes, node: int, device: int, offset: int, length: int, version: int,
@@ -568,6 +575,7 @@ class Master:
         versions = _check_versions(versions, len(keys))
         with self._lock:
             now = self._now_ms()
+            self._journal_ready("put_end")
             self._expire(now)
             committed = []
             for key, checksum, version in zip(keys, checksums, versions):
@@ -611,6 +619,7 @@ class Master:
         versions = _check_versions(versions, len(keys))
         with self._lock:
             now = self._now_ms()
+            self._journal_ready("put_revoke")
             self._expire(now)
             revoked = 0
             for key, version in zip(keys, versions):
@@ -619,14 +628,7 @@ class Master:
                     self._drop(key, now)
                     revoked += 1
             self.counters["revoked_blocks"] += revoked
-            try:
-                self._journal_write(durable=False)
-            except ChmError as exc:
-                for k in placed:  # undone by records of their own: memory stays what the journal replays to
-                    self._drop(k, now)
-                raise ChmError(exc.errno, f"put_start of request {request_id}: nothing allocated: "
-                                          f"{exc.message}") from None
-            self.counters["put_blocks"] += len(placed)
+            self._journal_write_after_change("put_revoke", revoked)
             return revoked
 
     def remove(self, keys: list) -> int:
@@ -634,7 +636,7 @@ class Master:
         keys = _check_keys(keys)
         with self._lock:
             now = self._now_ms()
-            self._journal_ready("put_end")
+            self._journal_ready("remove")
             self._expire(now)
             removed = 0
             for key in keys:
@@ -642,7 +644,7 @@ class Master:
                     self._drop(key, now)
                     removed += 1
             self.counters["removed_blocks"] += removed
-            self._journal_flush(durable=False)
+            self._journal_write_after_change("remove", removed)
             return removed
 
     # ------------------------------------------------------------ expiry and eviction
@@ -652,7 +654,7 @@ class Master:
         high watermark."""
         with self._lock:
             self._expire(self._now_ms())
-            self._journal_write_after_change("put_revoke", revoked)
+            self._journal_flush(durable=False)
 
     def tick(self) -> None:
         """The server's tick: expire, and make the journal durable. Its I/O errors are logged (once, by the
@@ -672,7 +674,6 @@ class Master:
             self._drop(t["key"][row].tobytes(), now, hold_until_ms=now + self._put_timeout_ms)
             self.counters["revoked_blocks"] += 1
         heap, draining = self._drain_heap, self._draining
-            self._journal_ready("put_revoke")
         while heap:
             _, row, extent = heap[0]
             if draining.get(extent) != row:
@@ -689,7 +690,6 @@ class Master:
             if dev.used > self.high_watermark * dev.capacity and dev.evict_retry_ms <= now:
                 self._evict_over_watermark(dev, now)
 
-            self._journal_ready("remove")
     def _evictable(self, dev: _Device, now: int) -> np.ndarray:
         """Rows of complete, unleased blocks of ``dev``, least recently used first."""
         t = self._table[:self._rows_used]
@@ -733,7 +733,7 @@ class Master:
             self._expire(self._now_ms())
             meta = self.metadata_bytes()
             devices = [dev.space() for dev in self._all_devices()]
-            self._journal_write_after_change("remove", removed)
+            self._journal_flush(durable=False)
             return {**self.counters, "entries": meta["entries"], "bytes_per_entry": meta["bytes_per_entry"],
                     "metadata_bytes": meta["total_bytes"], "pending_blocks": len(self._pending),
                     "blocks": len(self._index) - len(self._pending),  # complete: what lookups can find
@@ -806,6 +806,7 @@ class Master:
         loaded = j.load(_SNAPSHOT_FORMAT, recover_damaged)
         snap_path = os.path.join(self.state_dir, SNAPSHOT)
         self._replaying = True
+        replayed = 0
         try:
             if loaded.snapshot is not None:
                 try:
@@ -837,6 +838,8 @@ class Master:
         for row in list(self._pending):
             self._drop(self._table["key"][row].tobytes(), now)
         for extent, row in list(self._draining.items()):
+            del self._draining[extent]
+            self._log(_FreeRec(*extent))
             self._free_extent(row)
             self._release_row(row)
         self._drain_heap.clear()
@@ -894,7 +897,6 @@ class Master:
         self._table = np.zeros(size, ENTRY_DTYPE)
         self._table[:len(rows)] = rows
         self._rows_used = len(rows)
-        replayed = 0
         for row in range(len(rows)):
             state = int(rows["state"][row])
             if state == DRAINING:
@@ -909,8 +911,6 @@ class Master:
         return snap.journal_gen
 
     def _replay(self, rec) -> None:
-            del self._draining[extent]
-            self._log(_FreeRec(*extent))
         """Apply one journal record through the same code as the live call."""
         if isinstance(rec, _NodeRec):
             self._apply_node(rec.node, rec.endpoint, rec.devices, 0)
@@ -918,6 +918,8 @@ class Master:
             dev = self._device(rec.node, rec.device)
             offset = dev.allocate(rec.length)
             if offset != rec.offset:
+                if offset is not None:
+                    dev.free(offset, rec.length)  # recover_damaged goes on from the state before this record
                 raise ChmError(errno.EIO, f"journal replay: block {rec.key.hex()} was at offset {rec.offset} of "
                                           f"node {rec.node} device {rec.device}, replay allocates {offset}")
             self._add_pending(rec.key, rec.node, rec.device, rec.offset, rec.length, rec.version, 0)
@@ -967,8 +969,6 @@ def measure_bytes_per_entry(entries: int = 1 << 16, block_bytes: int = 16 << 20)
     if not was_tracing:
         tracemalloc.start()
     try:
-                if offset is not None:
-                    dev.free(offset, rec.length)  # recover_damaged goes on from the state before this record
         keys = [i.to_bytes(KEY_BYTES, "little") for i in range(entries)]
         base = tracemalloc.get_traced_memory()[0]
         master = Master(ManualClock(), put_timeout_s=MAX_TIMEOUT_S, high_watermark=1.0, low_watermark=1.0)

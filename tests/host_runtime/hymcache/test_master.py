@@ -418,9 +418,8 @@ def test_leases_and_put_timeouts_hold_across_months_of_uptime():
 
 def abandon(m: Master) -> None:
     """What kill -9 leaves: the journal as written so far, no snapshot, the lock released by the kernel."""
-    os.close(m._journal_fd)
-    os.close(m._lock_fd)
-    m._journal_fd = m._lock_fd = -1
+    m._journal.close()
+    m._journal = None
 
 
 def test_recovery_replays_the_journal_to_the_same_state(tmp_path):
