@@ -16,8 +16,8 @@ from .lcs_trace import TRACE_FORMATS, LibCacheSimTrace, parse_trace_params, trac
 from .models import MODELS, get_model, parse_bytes
 from .prefill import DEFAULT_GPU, FALLBACK_MODEL, gpu_names, load_gpu, prefill_for_block
 from .report import format_recompute, format_summary, format_table, write_outputs
-from .traces import (ConversationGenerator, HymcacheMicrobench, MooncakeTrace, RandomReadBench,
-                     check_mooncake_tokens_per_block)
+from .traces import (TIME_SCALE_RANGE, WINDOW_S_RANGE, ConversationGenerator, HymcacheMicrobench, MooncakeTrace,
+                     RandomReadBench, check_mooncake_tokens_per_block)
 
 GENERATORS = ("microbench", "conversation", "randread")
 MOONCAKE = "mooncake"  # --trace-format of the Mooncake JSONL reader (ours); every other format is libCacheSim's
@@ -96,10 +96,12 @@ def register(sub) -> None:
     g.add_argument("--region-bytes", default="256GiB", help="randread: populated region")
     g.add_argument("--reads-per-client", type=int_at_least(1), default=256, help="randread: objects each client reads")
     g.add_argument("--limit", type=int_at_least(1), help="trace: replay only the first N requests")
-    g.add_argument("--time-scale", type=float_in(0, lo_open=True), default=1.0, help="trace: multiply timestamps (<1: more load)")
+    g.add_argument("--time-scale", type=float_in(*TIME_SCALE_RANGE), default=1.0,
+                   help="trace: multiply timestamps (<1: more load)")
     g.add_argument("--seed", type=int, default=0, help="generators: random seed")
     g = p.add_argument_group("output")
-    g.add_argument("--window-s", type=float_in(0, lo_open=True), default=600.0, help="report row width for time-ordered workloads")
+    g.add_argument("--window-s", type=float_in(*WINDOW_S_RANGE), default=600.0,
+                   help="report row width for time-ordered workloads")
     g.add_argument("--out", metavar="DIR", help="write replay.json and replay.png here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("sweep (Dask distributed)")

@@ -15,6 +15,8 @@ its abort becomes a ValueError naming the file and libCacheSim's message.
 
 from __future__ import annotations
 
+import csv
+import itertools
 import json
 import os
 import re
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from .traces import Phase, Request, Stream
+from .traces import Phase, Request, Stream, check_span, check_time_scale
 
 # libCacheSim's oracleGeneral record: time (s), obj_id, obj_size, next access (-1: unknown)
 ORACLE_GENERAL_RECORD = struct.Struct("<IQIq")
@@ -107,12 +109,15 @@ def parse_trace_params(text: str) -> dict[str, Any]:
         key = item.strip().lower().replace("_", "-")
         if not sep or not key:
             raise ValueError(f"{item.strip()!r} is not KEY=VALUE (e.g. 'time-col=1,obj-id-col=2')")
-        value, _, rest = rest.partition(",")
-        rest = rest.lstrip(" ,")
         if key not in TRACE_PARAMS:
             raise ValueError(f"{key!r} is not one of libCacheSim's trace parameters: "
                              f"{', '.join(TRACE_PARAMS)}")
         attr, kind = TRACE_PARAMS[key]
+        if kind == _CHAR and rest.startswith(","):  # a comma delimiter, written "delimiter=,," as cachesim reads it
+            value, rest = ",", rest[1:]
+        else:
+            value, _, rest = rest.partition(",")
+        rest = rest.lstrip(" ,")
         out[attr] = _param_value(key, kind, value if kind == _CHAR else value.strip())
         if kind == _FLAG:
             out[attr + "_set"] = True
@@ -134,16 +139,98 @@ def _param_value(key: str, kind: str, value: str) -> Any:
             return value.lower() in _TRUE
         raise ValueError(f"{key} = {value!r} must be one of {', '.join(_TRUE + _FALSE)}")
     if kind == _CHAR:
-        if value.strip() in ("", "\\", "\\,"):  # "delimiter=,," as cachesim reads it
+        if value.strip() in ("\\", "\\,"):
             return ","
-        if value == "\\t":
+        if value.strip() == "\\t":
             return "\t"
-        if len(value) != 1:
-            raise ValueError(f"delimiter = {value!r} must be one character (\\t for a tab)")
+        if len(value) != 1 and len(value.strip()) == 1:  # spaces around it, as in "delimiter=; , ..."
+            value = value.strip()
+        if len(value) != 1:  # empty, too: no guessing a comma
+            raise ValueError(f"delimiter = {value!r} must be one character (a comma: delimiter=,, ; a tab: \\t)")
         return value
     if not value:
         raise ValueError(f"{key} = '' must not be empty")
     return value
+
+
+def _integer(text: str) -> int | None:
+    """``text`` as the C library's strtoll reads it whole (decimal, else 0x / 0o / 0b), or None."""
+    for base in (10, 0):
+        try:
+            return int(text.strip(), base)
+        except ValueError:
+            pass
+    return None
+
+
+def _number(text: str) -> float | None:
+    value = _integer(text)
+    if value is not None:
+        return value
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+_CSV_COLUMNS = {attr: key for key, (attr, kind) in reversed(TRACE_PARAMS.items()) if kind == _COLUMN}  # -> "x-col"
+
+
+def check_csv(path: Path, params: Mapping[str, Any], requests: int, ignore_obj_size: bool = False) -> None:
+    """The csv trace's first ``requests`` rows hold every column ``params`` name, and its time, size and numeric
+    object id columns hold numbers libCacheSim reads as written: where they do not, its reader quietly reads 0
+    or 1 (a column past the row's end, ``1e30`` as a size, ``x`` as a time). ValueError naming the line."""
+    columns = {attr: params[attr] for attr in _CSV_COLUMNS if params.get(attr)}
+    if not columns:
+        return
+    need = max(columns.values())
+    checks = [("time_field", "clock_time", lambda v: (x := _number(v)) is not None and 0 <= x < 2 ** 63,
+               "a number in [0, 2^63) (seconds)")]
+    if not ignore_obj_size:
+        checks.append(("obj_size_field", "obj_size", lambda v: (x := _integer(v)) is not None and 0 <= x < 2 ** 63,
+                       "an integer in [0, 2^63)"))
+    with path.open(newline="", errors="replace") as f:
+        reader = csv.reader(f, delimiter=params.get("delimiter", ","))
+        rows = ((reader.line_num, row) for row in reader if row)  # libCacheSim refuses blank lines itself
+        try:
+            first = next(rows, None)
+            if first is None:
+                return
+            if params.get("has_header_set"):
+                header = params.get("has_header")
+            else:  # libCacheSim's guess: a first row whose numbers are no numbers is a header
+                header = not all(ok(first[1][columns[attr] - 1]) for attr, _, ok, _ in checks
+                                 if attr in columns and len(first[1]) >= columns[attr])
+            if header:
+                if len(first[1]) < need:
+                    _short_row(path, first, columns)
+                first = next(rows, None)
+                if first is None:
+                    return
+            numeric_id = params.get("obj_id_is_num") if params.get("obj_id_is_num_set") else None
+            id_col = columns.get("obj_id_field")
+            if numeric_id is None:  # libCacheSim guesses from the first request, as here
+                numeric_id = id_col is not None and len(first[1]) >= id_col and _integer(first[1][id_col - 1]) is not None
+            if numeric_id and id_col is not None:
+                checks.append(("obj_id_field", "obj_id", lambda v: (x := _integer(v)) is not None and 0 <= x < 2 ** 64,
+                               "an integer in [0, 2^64) (obj-id-is-num)"))
+            for line, row in itertools.islice(itertools.chain([first], rows), requests):
+                if len(row) < need:
+                    _short_row(path, (line, row), columns)
+                for attr, what, ok, allowed in checks:
+                    if attr in columns and not ok(row[columns[attr] - 1]):
+                        raise ValueError(f"{path}:{line}: {what} = {row[columns[attr] - 1]!r:.60} "
+                                         f"({_CSV_COLUMNS[attr]} = {columns[attr]}) must be {allowed}")
+        except csv.Error as exc:
+            raise ValueError(f"{path}:{reader.line_num}: not a csv line: {exc}") from None
+
+
+def _short_row(path: Path, line_row: tuple[int, list], columns: Mapping[str, int]) -> None:
+    line, row = line_row
+    named = ", ".join(f"{_CSV_COLUMNS[a]} = {c}" for a, c in sorted(columns.items(), key=lambda ac: ac[1])
+                      if c > len(row))
+    raise ValueError(f"{path}:{line}: {len(row)} column{'s' * (len(row) != 1)}, but {named} (columns are counted "
+                     f"from 1; libCacheSim would read a missing column as 0)")
 
 
 @dataclass
@@ -168,8 +255,7 @@ class LibCacheSimTrace:
             raise ValueError(f"block_bytes = {self.block_bytes} must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit = {self.limit!r} must be >= 1")
-        if not self.time_scale > 0:
-            raise ValueError(f"time_scale = {self.time_scale!r} must be > 0")
+        self.time_scale = check_time_scale(self.time_scale)
         self.name = self.trace_format
         path = Path(self.path)
         if not path.is_file():
@@ -179,6 +265,8 @@ class LibCacheSimTrace:
         self.times, self.obj_ids, self.sizes = self._read(path)
         if not self.times:
             raise ValueError(f"{path}: no requests in the trace (libCacheSim's {self.trace_format} reader found none)")
+        if self.trace_format == "csv":  # what libCacheSim's csv reader would read as 0 or 1 without a word
+            check_csv(path, self.trace_params, len(self.times), self.ignore_obj_size)
         for i, (t, size) in enumerate(zip(self.times, self.sizes)):
             if t < 0:
                 raise ValueError(f"{path}: request {i + 1}: clock_time = {t} must be >= 0")
@@ -187,6 +275,11 @@ class LibCacheSimTrace:
             if self._blocks(size) > MAX_OBJECT_BLOCKS:
                 raise ValueError(f"{path}: request {i + 1}: obj_size = {size} is {self._blocks(size)} blocks of "
                                  f"{self.block_bytes} bytes, more than {MAX_OBJECT_BLOCKS}")
+        lo = min(range(len(self.times)), key=self.times.__getitem__)
+        hi = max(range(len(self.times)), key=self.times.__getitem__)
+        check_span(path, (self.times[hi] - self.times[lo]) * NS_PER_S * self.time_scale,
+                   f"request {hi + 1} (clock_time {self.times[hi]})", f"request {lo + 1} (clock_time {self.times[lo]})",
+                   self.time_scale, "s")
 
     def _read(self, path: Path) -> tuple[array, array, array]:
         spec = {"path": str(path), "trace_type": TRACE_FORMATS[self.trace_format], "params": dict(self.trace_params),

@@ -101,6 +101,8 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
             value = int(float(number) * _UNITS[unit])
         except ValueError:
             raise ValueError(f"{what} = {text!r} is not a byte count (e.g. 64MiB)") from None
+        except OverflowError:  # 1e400 is an infinite float
+            raise ValueError(f"{what} = {text!r} is not a finite byte count (e.g. 64MiB)") from None
     if value <= 0:
         raise ValueError(f"{what} = {text!r} must be positive")
     return value

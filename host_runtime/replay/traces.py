@@ -16,11 +16,21 @@ from __future__ import annotations
 import json
 import math
 import random
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 MOONCAKE_TOKENS_PER_HASH = 512  # Mooncake traces: one hash id per 512-token block
+MAX_HASH_ID = (1 << 64) - 1  # a hash id is a 64-bit unsigned hash; its blocks' keys fit the Master's 16-byte key
+# Virtual time is float nanoseconds from the trace's first request. A trace's scaled span is bounded by the
+# range of int64 nanoseconds (~292 years): there a float still resolves 2 us, the device's latencies stay
+# visible, and the Master's millisecond clock stays far from its int64 end. Past it, time stops adding up.
+MAX_SPAN_NS = float(1 << 63)
+TIME_SCALE_RANGE = (1e-9, 1e9)  # --time-scale, replay and simulation alike
+WINDOW_S_RANGE = (1e-6, 1e9)  # --window-s: a report row's seconds of virtual time
+_short = reprlib.Repr()  # error messages quote a bad value, never a whole 10^7-element list
+_short.maxstring, _short.maxother, _short.maxlong, _short.maxlist = 40, 40, 40, 8
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,23 @@ def _positive(name: str, value, lo=1):
     return value
 
 
+def check_time_scale(time_scale) -> float:
+    lo, hi = TIME_SCALE_RANGE
+    if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not lo <= time_scale <= hi:
+        raise ValueError(f"time_scale = {_short.repr(time_scale)} must be a number in [{lo:g}, {hi:g}]")
+    return float(time_scale)
+
+
+def check_span(path, span_ns: float, line: str, first: str, time_scale: float, unit: str) -> None:
+    """The trace's scaled span (``span_ns``, from its first request ``first`` to its last ``line``) within
+    ``MAX_SPAN_NS``; ValueError naming the two requests otherwise."""
+    if not span_ns <= MAX_SPAN_NS:  # inf and NaN too
+        raise ValueError(f"{path}: {line} comes {span_ns / 1e9:.6g} s of virtual time after {first} (timestamps "
+                         f"in {unit}, times time_scale {time_scale:g}): a trace may span at most "
+                         f"{MAX_SPAN_NS / 1e9:.4g} s (2^63 ns, ~292 years); "
+                         f"use a smaller --time-scale")
+
+
 # ---- Mooncake JSONL ------------------------------------------------------------------
 @dataclass
 class MooncakeTrace:
@@ -93,12 +120,12 @@ class MooncakeTrace:
         check_mooncake_tokens_per_block(self.tokens_per_block)
         if self.limit is not None:
             _positive("limit", self.limit)
-        if not self.time_scale > 0:
-            raise ValueError(f"time_scale = {self.time_scale!r} must be > 0")
+        self.time_scale = check_time_scale(self.time_scale)
         self.records, self.lengths = [], []
         path = Path(self.path)
         if not path.is_file():
             raise ValueError(f"trace file {str(path)!r} does not exist")
+        lo = hi = None  # (timestamp, line) of the earliest and the latest request
         with path.open("rb") as f:
             for lineno, line in enumerate(f, 1):
                 if self.limit is not None and len(self.records) >= self.limit:
@@ -107,14 +134,25 @@ class MooncakeTrace:
                     continue
                 try:
                     rec = json.loads(line)
-                    self.records.append(_mooncake_record(rec))
+                    if not isinstance(rec, dict):
+                        raise TypeError(f"the line is a JSON {type(rec).__name__}, not an object")
+                    record = _mooncake_record(rec)
                     self.lengths.append(_mooncake_lengths(rec))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{lineno}: not a Mooncake record (need timestamp >= 0 and hash_ids, a "
-                                     f"list of integers >= 0; input_length >= 1 and output_length >= 0, where given, "
-                                     f"integers, the input within its hash blocks): {type(exc).__name__}: {exc}") from None
+                except (ValueError, KeyError, TypeError, RecursionError) as exc:
+                    raise ValueError(f"{path}:{lineno}: not a Mooncake record (need an object with timestamp "
+                                     f">= 0 and hash_ids, a non-empty list of distinct integers in [0, 2^64); "
+                                     f"input_length >= 1 and output_length >= 0, where given, integers, the input "
+                                     f"within its hash blocks): {type(exc).__name__}: {exc}") from None
+                self.records.append(record)
+                ts = record[0]
+                if lo is None or ts < lo[0]:
+                    lo = (ts, lineno)
+                if hi is None or ts > hi[0]:
+                    hi = (ts, lineno)
         if not self.records:
             raise ValueError(f"{path}: no requests in the trace (the file is empty or holds only blank lines)")
+        check_span(path, (hi[0] - lo[0]) * 1e6 * self.time_scale, f"line {hi[1]} (timestamp {hi[0]:g})",
+                   f"line {lo[1]} (timestamp {lo[0]:g})", self.time_scale, "ms")
 
     @property
     def blocks_per_hash(self) -> int:
@@ -151,14 +189,22 @@ def _is_plain_int(value) -> bool:
 
 def _mooncake_record(rec: dict) -> tuple[float, list[int]]:
     ts, ids = rec["timestamp"], rec["hash_ids"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"timestamp = {ts!r} must be a finite number >= 0")
-    if not isinstance(ids, list):
-        raise ValueError(f"hash_ids = {ids!r} must be a list of integers >= 0")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or (isinstance(ts, int) and ts > 1e300) \
+            or not math.isfinite(ts) or ts < 0:  # a JSON integer of 400 digits is no float
+        raise ValueError(f"timestamp = {_short.repr(ts)} must be a finite number >= 0")
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"hash_ids = {_short.repr(ids)} must be a non-empty list of integers in [0, 2^64)")
     for i, h in enumerate(ids):
-        if not _is_plain_int(h) or h < 0:  # no coercion: 1.7, true and "3" are errors, not 1, 1 and 3
-            raise ValueError(f"hash_ids = {ids!r} must be a list of integers >= 0: element {i} is "
-                             f"{h!r} ({type(h).__name__})")
+        if not _is_plain_int(h) or not 0 <= h <= MAX_HASH_ID:  # no coercion: 1.7, true and "3" are errors
+            raise ValueError(f"hash_ids = {_short.repr(ids)} must be a list of integers in [0, 2^64): element {i} "
+                             f"is {_short.repr(h)} ({type(h).__name__})")
+    if len(set(ids)) != len(ids):  # a hash id names its whole prefix: it cannot come twice in one request
+        seen: dict[int, int] = {}
+        for i, h in enumerate(ids):
+            if h in seen:
+                raise ValueError(f"hash_ids = {_short.repr(ids)}: element {i} repeats element {seen[h]}, {h} (a "
+                                 f"hash id names its whole prefix: a request holds each once)")
+            seen[h] = i
     return float(ts), ids
 
 
@@ -167,11 +213,11 @@ def _mooncake_lengths(rec: dict) -> tuple[int | None, int | None]:
     for name, low in (("input_length", 1), ("output_length", 0)):
         value = rec.get(name)
         if value is not None and (not _is_plain_int(value) or value < low):
-            raise ValueError(f"{name} = {value!r} must be an integer >= {low}")
+            raise ValueError(f"{name} = {_short.repr(value)} must be an integer >= {low}")
         out.append(value)
     covered = len(rec["hash_ids"]) * MOONCAKE_TOKENS_PER_HASH
     if out[0] is not None and out[0] > covered:
-        raise ValueError(f"input_length = {out[0]} is more than its {len(rec['hash_ids'])} hash blocks cover "
+        raise ValueError(f"input_length = {_short.repr(out[0])} is more than its {len(rec['hash_ids'])} hash blocks cover "
                          f"({covered} tokens)")
     return out[0], out[1]
 
