@@ -73,6 +73,9 @@ def register(sub) -> None:
     u.add_argument("--stop-timeout", type=float_in(0, lo_open=True), default=DEFAULT_STOP_TIMEOUT_S, metavar="S",
                    help=f"per group of children, SIGTERM then SIGKILL after this long "
                         f"(default {DEFAULT_STOP_TIMEOUT_S:g})")
+    u.add_argument("--no-keys", action="store_true",
+                   help="no CurveZMQ keys (loopback only, any local process may call anything); default: keys in "
+                        "--curve-keys DIR, else STATE_DIR/keys, else a temporary directory removed at exit")
     u.set_defaults(func=_up)
 
     m = hs.add_parser("master", help="run the Master alone",
@@ -116,6 +119,8 @@ def register(sub) -> None:
                    help="prefetch window per request in bytes (default 128 MiB; never fewer than 2 blocks)")
     g.add_argument("--timeout", type=float_in(0, lo_open=True), default=10.0, metavar="S",
                    help="calls to the Master time out after this long (default 10)")
+    g.add_argument("--key", metavar="NAME", help="with --curve-keys: the node key it calls the Master with "
+                                                 "(DIR/NAME.key_secret; default node-NODE)")
     g.add_argument("--metrics-port", type=_port, default=0, metavar="P", help="Prometheus port (default 0: off)")
     g.set_defaults(func=_manager)
 
@@ -124,6 +129,8 @@ def register(sub) -> None:
                                   "for its own, and print them (names as in the Prometheus export).")
     s.add_argument("--master", required=True, metavar="ADDR", help="the Master's address")
     s.add_argument("--curve-keys", metavar="DIR", help="CurveZMQ key directory of the set")
+    s.add_argument("--key", metavar="NAME", default=None,
+                   help="with --curve-keys: the admin or monitor key to call with (default: the set's client key)")
     s.add_argument("--timeout", type=float_in(0, lo_open=True), default=5.0, metavar="S",
                    help="per call (default 5)")
     s.add_argument("--json", action="store_true", help="print {master: {...}, managers: {node: {...}}} as JSON")
@@ -141,6 +148,27 @@ def register(sub) -> None:
     _set_shape_args(c, " of the set it starts")
     c.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     c.set_defaults(func=_chat)
+
+    k = hs.add_parser("keys", help="make and authorize CurveZMQ keys, each with a role",
+                      description="The key directory of a set: the servers' key pair, the allow-list (authorized/) "
+                                  "with each client key's role, the lease secret. Roles: worker (lookup, put and "
+                                  "read blocks), node (a KV Manager registering its devices), admin (remove, stats), "
+                                  "monitor (stats, read only).")
+    ks = k.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    ka = ks.add_parser("add", help="make key NAME with a role and authorize it",
+                       description="Make DIR/NAME.key_secret (0600) and authorize its public key with ROLE. Give "
+                                   "the client NAME.key_secret and server.key (e.g. a vLLM engine: the connector's "
+                                   "key_dir and key_name).")
+    ka.add_argument("name", metavar="NAME")
+    ka.add_argument("--role", required=True, help=f"one of {', '.join(_auth_roles())}, or several joined by commas")
+    ka.add_argument("--node", type=int_at_least(0), help="a node key: the only node it may register")
+    ka.add_argument("--dir", default="hymcache-keys",
+                    help="the key directory (default ./hymcache-keys; made if absent)")
+    ka.set_defaults(func=_keys_add)
+    kl = ks.add_parser("list", help="the authorized keys and their roles")
+    kl.add_argument("--dir", default="hymcache-keys", help="the key directory (default ./hymcache-keys)")
+    kl.add_argument("--json", action="store_true")
+    kl.set_defaults(func=_keys_list)
 
     from .sim.cli import register as register_simulate  # the serving simulation (sim/): its own options
     register_simulate(hs)
@@ -161,6 +189,8 @@ def _common_server_args(p) -> None:
     p.add_argument("--port", type=_port, default=0, metavar="P", help="port (default 0: a free one)")
     p.add_argument("--curve-keys", metavar="DIR",
                    help="CurveZMQ: authenticate and encrypt with the keys in DIR (created if absent)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --bind without --curve-keys (a warning: no authentication)")
 
 
 def _port(text: str) -> int:
@@ -182,13 +212,43 @@ def _endpoint(args) -> str:
     return f"tcp://{args.bind}:{args.port}"
 
 
-def _curve(args) -> str | None:
+def _curve(args, nodes: int = 0) -> str | None:
     if not getattr(args, "curve_keys", None):
         return None
     from .rpc import make_curve_keys
 
-    make_curve_keys(args.curve_keys)
+    make_curve_keys(args.curve_keys, nodes)
     return args.curve_keys
+
+
+def _auth_roles() -> tuple:
+    from .auth import ROLES
+
+    return ROLES
+
+
+def _keys_add(args) -> int:
+    from . import auth
+
+    auth.make_keys(args.dir)  # the servers' pair and the lease secret, if this is a new directory
+    path = auth.add_key(args.dir, args.name, args.role, args.node)
+    print(f"chm hymcache keys: {args.name} ({args.role}{'' if args.node is None else f', node {args.node}'}) "
+          f"authorized in {args.dir}; give the client {path} and {os.path.join(args.dir, 'server.key')}", flush=True)
+    return 0
+
+
+def _keys_list(args) -> int:
+    from . import auth
+
+    if not os.path.isdir(args.dir):
+        raise ChmError(errno.ENOENT, f"--dir {args.dir}: no such key directory")
+    keys = auth.list_keys(args.dir)
+    if args.json:
+        print(json.dumps(keys))
+    else:
+        for k in keys:
+            print(f"{k['name']:<24} {','.join(k['roles']):<20} {'' if k['node'] is None else 'node ' + str(k['node'])}")
+    return 0
 
 
 def _need(module: str, names: tuple[str, ...]):
@@ -261,7 +321,8 @@ def _master(args) -> int:
                     recover_damaged=args.recover_damaged, log=log)
     exporter = None
     try:
-        server = _bind(lambda: serve_master(master, endpoint, curve_keys=keys, log=log), endpoint)
+        server = _bind(lambda: serve_master(master, endpoint, curve_keys=keys, log=log, insecure=args.insecure),
+                       endpoint)
         if args.metrics_port:
             exporter = StatsExporter("master", master.stats, port=args.metrics_port, host=args.bind)
             chain_tick(server, exporter)
@@ -301,15 +362,19 @@ def _manager(args) -> int:
             raise ChmError(errno.ENOENT, f"--device {name}: no chm serve device at {node_path(name)} "
                                          f"(start it first: chm serve --node {name})")
     (MasterClient,) = _need("master", ("MasterClient",))
-    master = MasterClient(args.master, timeout_s=args.timeout, curve_keys=keys)
+    from .auth import key_file
+
+    node_key = key_file(keys, args.key or f"node-{args.node}")  # the Manager calls the Master as this node
+    master = MasterClient(args.master, timeout_s=args.timeout, curve_keys=node_key)
     log = lambda msg: print(f"chm hymcache manager {args.node}: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     manager = exporter = None
     try:
         # endpoint "": the server registers the node under the address it bound (a free port with --port 0)
         manager = KVManager(args.node, list(args.devices), master, WallClock(), window_bytes=args.window_bytes,
                             endpoint="", log=log)
-        manager.confirm_in_background(args.master, args.timeout, keys)  # a hung Master holds up no call here
-        server = _bind(lambda: serve_manager(manager, endpoint, curve_keys=keys, log=log), endpoint)
+        manager.confirm_in_background(args.master, args.timeout, node_key)  # a hung Master holds up no call here
+        server = _bind(lambda: serve_manager(manager, endpoint, curve_keys=keys, log=log, insecure=args.insecure),
+                       endpoint)
         public = server.endpoint
         if args.advertise:
             public = f"tcp://{args.advertise}:{server.endpoint.rsplit(':', 1)[1]}"
@@ -429,8 +494,9 @@ class HyMCacheSet:
                  curve_keys: str | None = None, state_dir: str | None = None, metrics_port: int = 0,
                  put_timeout_s: float | None = None, device_overrides: list[str] = (),
                  stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S, tag: str | None = None,
-                 label: str = "chm hymcache up", verbose: bool = True):
+                 label: str = "chm hymcache up", verbose: bool = True, insecure: bool = False):
         self.nodes, self.devices_per_node = nodes, devices_per_node
+        self.insecure = insecure  # children may bind a non-loopback --bind without keys
         self.profile, self.media_root, self.bind = profile, media_root, bind
         self.master_port, self.curve_keys, self.state_dir = master_port, curve_keys, state_dir
         self.metrics_port, self.put_timeout_s = metrics_port, put_timeout_s
@@ -451,6 +517,10 @@ class HyMCacheSet:
 
     def start(self) -> "HyMCacheSet":
         py = sys.executable
+        if self.curve_keys:  # each Manager calls the Master with its own node key
+            from .rpc import make_curve_keys
+
+            make_curve_keys(self.curve_keys, self.nodes)
         try:
             for n in range(self.nodes):
                 for d in range(self.devices_per_node):
@@ -469,6 +539,8 @@ class HyMCacheSet:
                 cmd += ["--state-dir", self.state_dir]
             if self.curve_keys:
                 cmd += ["--curve-keys", self.curve_keys]
+            if self.insecure:
+                cmd += ["--insecure"]
             if self.metrics_port:
                 cmd += ["--metrics-port", str(self.metrics_port)]
             if self.put_timeout_s is not None:
@@ -484,7 +556,9 @@ class HyMCacheSet:
                 for d in range(self.devices_per_node):
                     cmd += ["--device", self.device_node(n, d)]
                 if self.curve_keys:
-                    cmd += ["--curve-keys", self.curve_keys]
+                    cmd += ["--curve-keys", self.curve_keys, "--key", f"node-{n}"]
+                if self.insecure:
+                    cmd += ["--insecure"]
                 if self.metrics_port:
                     cmd += ["--metrics-port", str(self.metrics_port + 1 + n)]
                 self.managers.append(Child("manager", f"manager {n}", cmd))
@@ -559,7 +633,21 @@ class HyMCacheSet:
 
 
 def _up(args) -> int:
-    keys = _curve(args)
+    if args.no_keys and args.curve_keys:
+        raise UsageError("--no-keys and --curve-keys: give one or the other")
+    temp_keys = None
+    if not args.no_keys and not args.curve_keys:  # secure by default: keys and roles for its own processes
+        args.curve_keys = temp_keys = tempfile.mkdtemp(prefix="chm-hymcache-keys-", dir="/var/tmp")
+    try:
+        return _up_with(args, _curve(args, args.nodes))
+    finally:
+        if temp_keys:
+            import shutil
+
+            shutil.rmtree(temp_keys, ignore_errors=True)
+
+
+def _up_with(args, keys: str | None) -> int:
     _endpoint(args)  # validates --bind
     if args.metrics_port and args.metrics_port + args.nodes > PORT_MAX:
         raise UsageError(f"--metrics-port {args.metrics_port}: the Managers' ports would pass {PORT_MAX}")
@@ -568,7 +656,8 @@ def _up(args) -> int:
     hset = HyMCacheSet(args.nodes, args.devices_per_node, profile=args.profile, media_root=args.media_root,
                        bind=args.bind, master_port=args.port, curve_keys=keys, state_dir=args.state_dir,
                        metrics_port=args.metrics_port, put_timeout_s=args.put_timeout,
-                       device_overrides=args.device_overrides, stop_timeout_s=args.stop_timeout)
+                       device_overrides=args.device_overrides, stop_timeout_s=args.stop_timeout,
+                       insecure=args.insecure)
     try:
         hset.start()
         desc = hset.describe()
@@ -612,6 +701,10 @@ def _stats(args) -> int:
     keys = args.curve_keys
     if keys and not os.path.isdir(keys):
         raise ChmError(errno.ENOENT, f"--curve-keys {keys}: no such directory")
+    if keys and args.key:
+        from .auth import key_file
+
+        keys = key_file(keys, args.key)
     master = MasterClient(args.master, timeout_s=args.timeout, curve_keys=keys)
     try:
         mstats = master.stats()
@@ -659,9 +752,11 @@ def _chat(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    keys = args.curve_keys
     if master is None:
-        keys = _curve(args)  # created here, before the children read them
         workdir = tempfile.mkdtemp(prefix="chm-hymcache-chat-", dir="/var/tmp")
+        keys = args.curve_keys = args.curve_keys or os.path.join(workdir, "keys")  # its set has keys and roles too
+        _curve(args, args.nodes)  # created here, before the children read them
         hset = HyMCacheSet(args.nodes, args.devices_per_node, profile=args.profile, curve_keys=keys,
                            state_dir=os.path.join(workdir, "state"), label="chm hymcache chat", verbose=False)
         print(f"chm hymcache chat: starting a set ({args.nodes} node(s) x {args.devices_per_node} device(s))",
@@ -670,7 +765,7 @@ def _chat(args) -> int:
         if hset is not None:
             hset.start()
             master = hset.master_endpoint
-        result = chat(master=master, turns=args.turns, conversations=args.conversations, curve_keys=args.curve_keys)
+        result = chat(master=master, turns=args.turns, conversations=args.conversations, curve_keys=keys)
     finally:
         if hset is not None:
             hset.stop()

@@ -52,6 +52,7 @@ import xxhash
 
 from driver.errors import ChmError
 
+from . import auth
 from .clock import Clock, WallClock
 from .engine import PagedEngine, layer_name
 from .keys import ModelFingerprint, block_keys
@@ -87,7 +88,9 @@ class HyMCacheConfig:
     kv_load_failure_policy: str = "recompute"
     staging_buffer_size: float = 5.0      # GB of host transfer space (libchm staging, per device <= 1 GiB)
     master_endpoint: str = ""             # tcp://host:port of the Master ("" when one is passed in)
-    curve_keys: str | None = None         # CurveZMQ keys directory (see rpc.make_curve_keys)
+    curve_keys: str | None = None         # CurveZMQ: a key directory (its client key) or a NAME.key_secret file
+    key_dir: str | None = None            # CurveZMQ: the directory with server.key and this engine's key ...
+    key_name: str = "worker"              # ... NAME.key_secret (chm hymcache keys add --role worker NAME)
     rpc_timeout_s: float = 5.0            # one call to the Master or a Manager (a dead one costs this much)
     model_name: str = MODEL_NAME
     kv_dtype: str = "float32"
@@ -118,6 +121,12 @@ class HyMCacheConfig:
         number("rpc_timeout_s", 0, 3600)
         if self.kv_load_failure_policy != "recompute":
             bad("kv_load_failure_policy", "'recompute' (the only policy: a failed block and the rest are computed)")
+        if self.key_dir is not None and (not isinstance(self.key_dir, str) or not self.key_dir):
+            bad("key_dir", "None or a key directory (chm hymcache keys add makes one)")
+        if self.key_dir and self.curve_keys:
+            bad("key_dir", "unset when curve_keys is set (one names the key: key_dir with key_name, or curve_keys)")
+        if not isinstance(self.key_name, str) or not auth.NAME_RE.fullmatch(self.key_name):
+            bad("key_name", f"a key name matching {auth.NAME_RE.pattern}")
         if not isinstance(self.master_endpoint, str):
             bad("master_endpoint", "a ZeroMQ endpoint string (tcp://HOST:PORT, ipc://PATH) or ''")
         for name in ("model_name", "kv_dtype"):
@@ -143,6 +152,11 @@ class HyMCacheConfig:
 
     def fingerprint(self) -> ModelFingerprint:
         return ModelFingerprint(self.model_name, self.kv_dtype, KV_LAYOUT, self.chunk_size)
+
+    @property
+    def client_keys(self) -> str | None:
+        """The CurveZMQ client key this engine calls with (rpc.curve_client), None without keys."""
+        return auth.key_file(self.key_dir, self.key_name) if self.key_dir else self.curve_keys
 
     @property
     def staging_bytes(self) -> int:
@@ -239,7 +253,7 @@ class HyMCacheConnector:
             from .master import MasterClient
 
             master = MasterClient(self.config.master_endpoint, timeout_s=self.config.rpc_timeout_s,
-                                  curve_keys=self.config.curve_keys)
+                                  curve_keys=self.config.client_keys)
             self._own.append(master)
         self.master = master
         self._managers: dict[int, object] = {}
@@ -259,7 +273,7 @@ class HyMCacheConnector:
                 lookup = Lookup(self.config.master_endpoint if remote else self.master,
                                 manager_for_node, self.clock, batch=self.config.lookup_batch,
                                 timeout_s=self.config.lookup_timeout_ms / 1000, rpc_timeout_s=self.config.rpc_timeout_s,
-                                curve_keys=self.config.curve_keys, log=self.log)
+                                curve_keys=self.config.client_keys, log=self.log)
                 self._own.append(lookup)
             self.lookup = lookup
         # worker side
@@ -281,7 +295,8 @@ class HyMCacheConnector:
         info = self._node(node)
         if info is None or not info.get("endpoint"):
             raise ChmError(errno.ENOENT, f"node {node} has no KV Manager registered with the Master")
-        client = ManagerClient(info["endpoint"], timeout_s=self.config.rpc_timeout_s, curve_keys=self.config.curve_keys,
+        client = ManagerClient(info["endpoint"], timeout_s=self.config.rpc_timeout_s,
+                               curve_keys=self.config.client_keys,
                                clock=self.clock)
         self._own.append(client)
         return client
@@ -514,7 +529,7 @@ class HyMCacheConnector:
         for i, (key, loc, block_id) in enumerate(zip(spec.keys, spec.locs, spec.block_ids)):
             nodes.add(loc.node)
             try:
-                self._load_block(rid, key, loc, block_id, deadline, fig, hinted, spec.keys[i:])
+                self._load_block(rid, key, loc, block_id, deadline, fig, hinted, spec.locs[i:])
             except ChmError as exc:
                 fig.load_errors += 1
                 self.counters["num_load_errors"] += 1
@@ -531,7 +546,7 @@ class HyMCacheConnector:
         self._finish_on(rid, nodes)  # cancels what the Manager still stages for it
 
     def _load_block(self, rid: str, key: bytes, loc: BlockLoc, block_id: int, deadline: float, fig: TurnFigures,
-                    hinted: set, rest: list[bytes]) -> None:
+                    hinted: set, rest: list[BlockLoc]) -> None:
         manager = self.manager_for_node(loc.node)
         remaining = deadline - self.clock.now()
         if remaining <= 0:
@@ -543,7 +558,10 @@ class HyMCacheConnector:
             if exc.errno != errno.ENOENT or loc.node in hinted:
                 raise
             hinted.add(loc.node)  # the Lookup's hint went elsewhere or was cancelled: hint the rest ourselves
-            manager.hint(rid, rest)
+            manager.hint(rid, [r.key for r in rest])
+            leased = [r for r in rest if r.lease and r.node == loc.node]
+            if leased and callable(getattr(manager, "lease", None)):
+                manager.lease(rid, leased)  # the Lookup's leases: a served Manager's read asks for them
             token, data = self._unpack(fetch(rid, key, max(deadline - self.clock.now(), 0.0)))
         try:
             if token.length != self.block_bytes:

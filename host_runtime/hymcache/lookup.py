@@ -26,6 +26,7 @@ batch at a time, so a long prompt does not hold up a short one. Deadlines read t
 from __future__ import annotations
 
 import errno
+import inspect
 import threading
 from collections import OrderedDict, deque
 from typing import Callable
@@ -208,7 +209,10 @@ class Lookup:
                         if own:
                             owned.append(master)
                     early = self._early_hint(managers, master, job) if start == 0 else None
-                    found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in master.lookup(batch)]
+                    # a Master grants this request's read leases (their tokens go to the Managers)
+                    answer = (master.lookup(batch, request_id=job.request_id) if _leases(master)
+                              else master.lookup(batch))
+                    found = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in answer]
                     self._learn(batch, found)
                 except Exception as exc:  # never let one request's failure end the thread (and hang the rest)
                     if not isinstance(exc, ChmError):
@@ -220,6 +224,7 @@ class Lookup:
                     continue
                 new_nodes = []
                 with self._cond:
+                    hinted_before = list(job.hinted)
                     if early is not None and (not found or found[0] != early):
                         self.counters["early_hints_stale"] += 1  # the Manager restages from the Master's answer
                     self.counters["lookup_batches"] += 1
@@ -233,6 +238,8 @@ class Lookup:
                     job.next = start + len(batch)
                 for node, first in new_nodes:  # hint the node's Manager before asking for the next batch
                     self._hint(managers, master, node, job.request_id, job.keys[first:], found[first - start:])
+                for node in hinted_before:  # hinted before this answer (early, or an earlier batch): its leases
+                    self._lease(managers, master, node, job.request_id, [loc for loc in found if loc.node == node])
                 with self._cond:
                     if len(found) < len(batch) or job.next >= len(job.keys):
                         self._finish(job, None)
@@ -293,6 +300,19 @@ class Lookup:
             with self._cond:
                 self.counters["hint_errors"] += 1
 
+    def _lease(self, managers: dict, master, node: int, request_id: str, locs: list[BlockLoc]) -> None:
+        """Hand ``node``'s Manager the Master's read leases of ``locs`` (its served read asks for them)."""
+        locs = [loc for loc in locs if loc.lease]
+        manager = managers.get(node)
+        if not locs or manager is None or not callable(getattr(manager, "lease", None)):
+            return
+        try:
+            manager.lease(request_id, locs[:MAX_HINT_KEYS])
+        except Exception as exc:  # the Manager down or the request gone there: its reads fail, the worker recomputes
+            self.log(f"leases of {request_id!r} to node {node}: {type(exc).__name__}: {exc}")
+            with self._cond:
+                self.counters["hint_errors"] += 1
+
     def _manager(self, node: int, master):
         if self._manager_for_node is not None:
             return self._manager_for_node(node)
@@ -308,3 +328,11 @@ class Lookup:
     def _finish(self, job: _Job, error: ChmError | None) -> None:
         job.done, job.error = True, error
         self._cond.notify_all()
+
+
+def _leases(master) -> bool:
+    """Does ``master.lookup`` grant leases for a request (``request_id``)? A Master and a MasterClient do."""
+    try:
+        return "request_id" in inspect.signature(master.lookup).parameters
+    except (TypeError, ValueError):
+        return False

@@ -56,7 +56,8 @@ import zmq.utils.monitor
 import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import Clock, WallClock
-from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc, DeviceInfo, ReadToken, to
+from host_runtime.hymcache import auth
+from host_runtime.hymcache.messages import KEY_BYTES, MAX_REQUEST_ID, BlockLoc, DeviceInfo, ReadToken, to
 from host_runtime.hymcache.rpc import (ANSWERS_PER_PASS, MAX_BLOCK_BYTES, Payload, RemoteError, RpcClient, RpcServer,
                                        RpcTimeout, TypedClient, call_of)
 
@@ -65,12 +66,17 @@ WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
 MIN_WINDOW_BLOCKS = 2          # double buffering, whatever the block size
 REQUEST_TIMEOUT_S = 30.0
 MAX_HINT_KEYS = 1 << 16        # 65536 blocks: far past any context (bounds one call's work)
-MAX_REQUEST_ID = 256           # characters
 WAIT_STEP_S = 0.002            # how often a blocked acquire looks again (a poll interval, not a deadline)
 LOOK_STEP_S = 200e-6           # ... at a block whose SSD reads are in flight (the served Manager's held calls too)
 REOPEN_INTERVAL_S = 1.0        # per device: reopen a gone one / look whether a live one was restarted
 
-MANAGER_METHODS = ("hint", "acquire", "read", "write", "release", "finish", "touch", "progress", "stats", "devices")
+MANAGER_METHODS = ("hint", "acquire", "read", "write", "release", "finish", "touch", "progress", "stats", "devices",
+                   "lease")
+# Served with keys, who may call what (auth.py): a worker's load and store; stats for admin and monitor.
+MANAGER_ROLES = {**{m: {"worker"} for m in ("hint", "acquire", "read", "write", "release", "finish", "touch",
+                                             "lease")},
+                 "progress": {"worker", "admin"}, "devices": {"worker", "admin", "monitor"},
+                 "stats": {"admin", "monitor"}}
 
 
 def window_blocks(window_bytes: int, block_bytes: int) -> int:
@@ -155,11 +161,12 @@ class _Confirmation:
 
 class _Request:
     __slots__ = ("request_id", "blocks", "by_key", "next_issue", "held", "window", "touched", "callers",
-                 "confirmation")
+                 "confirmation", "leases")
 
     def __init__(self, request_id: str, caller, now: float):
         self.request_id, self.touched = request_id, now
         self.confirmation: _Confirmation | None = None  # until this Manager's Master lookup resolved the hint
+        self.leases: dict[bytes, tuple[int, int]] = {}  # key -> (version, expiry Unix ms) of a checked lease token
         self.callers = set() if caller is None else {caller}  # connections that used it (over ZeroMQ)
         self.blocks: list[_Block] = []     # this node's hits, in consumption order
         self.by_key: dict[bytes, _Block] = {}
@@ -197,6 +204,7 @@ class KVManager:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._caller = None    # set by the served Manager around each call: who is calling
+        self.lease_secret: bytes | None = None  # the node's, from register_node: the served read checks leases
         self._confirmer: _Confirmer | None = None  # confirm_in_background
         self.held_calls = 0    # set by the served Manager: acquires/reads it holds until their block is staged
         # One libchm handle per device, in device order; None while the device is gone (see _gone/_reopen).
@@ -220,7 +228,8 @@ class KVManager:
             "confirm_errors", "num_retrieve_requests", "num_hit_tokens",
             "prefetches", "ebusy", "unfit", "releases", "num_load_errors", "finished", "num_timeouts_recompute",
             "cancelled_disconnect", "remote_reads", "remote_read_bytes", "remote_writes", "remote_write_bytes",
-            "write_refused", "devices_gone", "devices_reopened", "devices_new_epoch"), 0)
+            "write_refused", "devices_gone", "devices_reopened", "devices_new_epoch", "leases_refused",
+            "reads_refused"), 0)
         self.device_counters = [dict.fromkeys(("prefetches", "prefetch_bytes", "ebusy", "read_bytes",
                                                "written_bytes", "write_refused", "gone", "reopened"), 0)
                                 for _ in self.handles]
@@ -239,7 +248,14 @@ class KVManager:
         with self._lock:
             if endpoint is not None:
                 self.endpoint = endpoint
-            self.master.register_node(self.node, self.endpoint, list(self.infos))
+            self._took_secret(self.master.register_node(self.node, self.endpoint, list(self.infos)))
+
+    def _took_secret(self, answer) -> None:
+        """The node's lease secret: register_node's answer over ZeroMQ, or an in-process Master's."""
+        if isinstance(answer, (bytes, bytearray)) and answer:
+            self.lease_secret = bytes(answer)
+        elif callable(getattr(self.master, "node_secret", None)):
+            self.lease_secret = self.master.node_secret(self.node)
 
     # ---- devices that go away and come back ----------------------------------------
     def _handle(self, i: int) -> libchm.Device:
@@ -371,6 +387,8 @@ class KVManager:
                 raise ChmError(errno.EEXIST, f"request_id {request_id!r} already has a hint here; finish() it first")
             req = _Request(request_id, self._caller, self.clock.now())
             self.requests[request_id] = req
+            self._take_leases(req, locs)
+            locs = [msgspec.structs.replace(loc, lease=b"") if loc.lease else loc for loc in locs]  # as the Master's
             self.counters["hints"] += 1
             self.counters["hinted_keys"] += len(keys)
             if locs:
@@ -386,6 +404,57 @@ class KVManager:
                 self._confirmer.kick()
             self._changed.notify_all()
             return len(req.blocks)
+
+    def lease(self, request_id: str, locs: list) -> int:
+        """The Master's read leases of ``request_id`` on blocks here (``BlockLoc.lease`` of a lookup for that
+        request: the Lookup hands over those its hint did not carry); how many are valid. A served ``read`` sends
+        a block's bytes only to a request holding a valid lease on the block's version."""
+        request_id = _check_request_id(request_id)
+        if not isinstance(locs, (list, tuple)) or len(locs) > MAX_HINT_KEYS:
+            raise ChmError(errno.EINVAL, f"locs must be a list of at most {MAX_HINT_KEYS} block descriptors")
+        try:
+            locs = [loc if isinstance(loc, BlockLoc) else to(BlockLoc, loc) for loc in locs]
+        except (TypeError, ValueError, msgspec.ValidationError) as exc:
+            raise ChmError(errno.EINVAL, f"locs must be a list of block descriptors (BlockLoc): {exc}") from None
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                raise ChmError(errno.ENOENT, f"request_id {request_id!r} has no hint here (never hinted, finished, "
+                                             "timed out or its worker disconnected)")
+            self._touch(req)
+            return self._take_leases(req, locs)
+
+    def _take_leases(self, req: _Request, locs: list[BlockLoc]) -> int:
+        """Keep the valid lease tokens among ``locs`` (others' leases, other nodes' and forged ones are not)."""
+        taken = 0
+        for loc in locs:
+            if not loc.lease or self.lease_secret is None or loc.node != self.node:
+                continue
+            expiry = auth.lease_expiry(self.lease_secret, loc.lease, req.request_id, loc.key, loc.version, self.node)
+            if expiry is None:
+                self.counters["leases_refused"] += 1
+                continue
+            req.leases[loc.key] = (loc.version, expiry)
+            taken += 1
+        return taken
+
+    def _check_lease(self, request_id: str, key: bytes) -> None:
+        """EACCES unless ``request_id`` holds an unexpired Master lease on ``key``'s block, at its version."""
+        req = self.requests.get(request_id)
+        block = req.by_key.get(key) if req is not None else None
+        held = req.leases.get(key) if req is not None else None
+        why = None
+        if self.lease_secret is None:
+            why = "this Manager has no lease secret (its Master gave none at register_node)"
+        elif held is None:
+            why = "it holds no lease on it: pass the Master's (lookup with this request id) in the hint or lease()"
+        elif block is not None and held[0] != block.loc.version:
+            why = f"its lease is on version {held[0]}, the block stored is version {block.loc.version}"
+        elif auth.now_ms() >= held[1]:
+            why = f"its lease ended {auth.now_ms() - held[1]} ms ago"
+        if why is not None:
+            self.counters["reads_refused"] += 1
+            raise ChmError(errno.EACCES, f"read of block {key.hex()} refused to request {request_id!r}: {why}")
 
     def _confirm(self, req: _Request) -> None:
         """Resolve the hint's keys at the Master and stage the hits here; drop what the Master did not confirm."""
@@ -689,10 +758,14 @@ class KVManager:
                                                     f"within {timeout_s:g} s ({why})")
                 self._changed.wait(LOOK_STEP_S if block.state == ISSUED else WAIT_STEP_S)
 
-    def read(self, request_id: str, key: bytes, timeout_s: float = 10.0, *, look: bool = False) -> Payload:
-        """The remote path: the token's fields and the block's bytes as one zero-copy frame."""
+    def read(self, request_id: str, key: bytes, timeout_s: float = 10.0, *, look: bool = False,
+             need_lease: bool = False) -> Payload:
+        """The remote path: the token's fields and the block's bytes as one zero-copy frame. ``need_lease`` (the
+        served read): only to a request holding the Master's lease on the block (``lease``), else EACCES."""
         with self._lock:
             token = self.acquire(request_id, key, timeout_s, look=look)
+            if need_lease:
+                self._check_lease(request_id, key)
             data = bytearray(token.length)  # a fresh buffer per block: ZeroMQ sends it after we return
             try:
                 self._handle(token.device).read_into(token.offset, data)
@@ -971,8 +1044,9 @@ class _Served:
         # the call (``hold_s``, see ManagerServer) and asks again, and the client asks again after that.
         if name == "acquire":
             return lambda request_id, key, hold_s=0.0: self.manager.acquire(request_id, key, 0.0, look=True)
-        if name == "read":
-            return lambda request_id, key, hold_s=0.0: self.manager.read(request_id, key, 0.0, look=True)
+        if name == "read":  # bytes leave the node: only to a request holding the Master's lease
+            return lambda request_id, key, hold_s=0.0: self.manager.read(request_id, key, 0.0, look=True,
+                                                                         need_lease=True)
         if name == "hint":  # answered once staging starts: the Lookup does not wait for our Master round trip
             return lambda request_id, keys, locs=None: self.manager.hint(request_id, keys, locs, confirm_later=True)
         return getattr(self.manager, name)
@@ -1002,9 +1076,10 @@ class ManagerServer(RpcServer):
     so one request's staging never holds up the others' calls."""
 
     def __init__(self, manager: KVManager, endpoint: str, *, curve_keys: str | None = None, tick_s: float = 0.02,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, insecure: bool = False):
         super().__init__(_Served(manager), MANAGER_METHODS, endpoint, tick=manager.progress, tick_s=tick_s,
-                         curve_keys=curve_keys, log=log, max_frame_bytes=MAX_BLOCK_BYTES)  # blocks travel here
+                         curve_keys=curve_keys, log=log, max_frame_bytes=MAX_BLOCK_BYTES,  # blocks travel here
+                         roles=MANAGER_ROLES, insecure=insecure)
         self.manager = manager
         self.held: list[tuple[list, float, tuple]] = []  # (frames, when to answer ETIMEDOUT, what it asks), oldest first
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -1142,6 +1217,9 @@ class ManagerClient(TypedClient):
     def write(self, device: int, offset: int, data) -> int:
         return self.rpc.call("write", device, offset, payload=[data])
 
+    def lease(self, request_id: str, locs: list[BlockLoc]) -> int:
+        return self.rpc.call("lease", request_id, list(locs))
+
     def release(self, request_id: str, key: bytes) -> bool:
         return self.rpc.call("release", request_id, key)
 
@@ -1173,18 +1251,20 @@ def run_manager(node: int, device_nodes: list[str], master_endpoint: str, endpoi
                 window_bytes: int = WINDOW_BYTES, request_timeout_s: float = REQUEST_TIMEOUT_S,
                 curve_keys: str | None = None, master_timeout_s: float = 10.0,
                 on_ready: Callable[[str], None] | None = None, stop: threading.Event | None = None,
-                log: Callable[[str], None] | None = None) -> int:
+                log: Callable[[str], None] | None = None, key: str | None = None, insecure: bool = False) -> int:
     """`chm hymcache manager`: serve node ``node``'s devices until SIGINT/SIGTERM (or ``stop``); 0 when stopped.
 
-    ``on_ready(endpoint)`` is called once the Manager is registered and bound (the CLI prints it)."""
+    ``on_ready(endpoint)`` is called once the Manager is registered and bound (the CLI prints it). With
+    ``curve_keys`` (a key directory) it calls the Master with key ``key`` (default ``node-NODE``)."""
     from host_runtime.hymcache.master import MasterClient  # the Master's module: imported when a Manager runs
 
+    server_keys, curve_keys = curve_keys, auth.key_file(curve_keys, key or f"node-{node}")
     master = MasterClient(master_endpoint, timeout_s=master_timeout_s, curve_keys=curve_keys)
     manager = KVManager(node, device_nodes, master, WallClock(), window_bytes=window_bytes,
                         request_timeout_s=request_timeout_s, endpoint="", log=log)
     try:
         manager.confirm_in_background(master_endpoint, master_timeout_s, curve_keys)
-        server = serve_manager(manager, endpoint, curve_keys, log=log)
+        server = serve_manager(manager, endpoint, server_keys, log=log, insecure=insecure)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: server.stop())
@@ -1244,10 +1324,13 @@ def measure_block_paths(master, device_node: str, *, block_bytes: int = 16 << 20
             for i in range(repeat):
                 for path in ("local", "zmq"):
                     rid = f"bench-{key.hex()}-{i}-{path}"
+                    leased = master.lookup([key], request_id=rid) if path == "zmq" else []  # as a worker's Lookup
                     t0 = time.perf_counter()
                     client.hint(rid, [key])
                     token = client.acquire(rid, key)
                     t1 = time.perf_counter()
+                    if leased:
+                        client.lease(rid, leased)  # the bytes over ZeroMQ need the Master's lease
                     for checked in (False, True):
                         t2 = time.perf_counter()
                         if path == "local":

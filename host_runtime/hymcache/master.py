@@ -83,10 +83,11 @@ import numpy as np
 
 from driver.errors import ChmError
 
+from . import auth
 from .clock import Clock, WallClock
 from .journal import (SNAPSHOT, Journal, JournalDamage, _AllocRec, _CommitRec, _DeviceState, _DropRec, _FreeRec,
                       _NodeRec, _Snapshot, frame_record)
-from .messages import KEY_BYTES, BlockLoc, DeviceInfo, WriteLoc, to
+from .messages import KEY_BYTES, MAX_REQUEST_ID, BlockLoc, DeviceInfo, WriteLoc, to
 from .rpc import RpcClient, RpcServer, TypedClient
 
 ENTRY_DTYPE = np.dtype([
@@ -108,6 +109,15 @@ _REBASE_MS = 1 << 31                # move the time base once it is this far beh
 _INITIAL_ROWS = 1024
 PLACEMENTS = ("round_robin", "load_aware")
 MASTER_METHODS = ("register_node", "nodes", "lookup", "put_start", "put_end", "put_revoke", "remove", "stats")
+# Served with keys, who may call what (auth.py): a KV Manager's calls are a node's; monitor is read-only.
+MASTER_ROLES = {
+    "register_node": {"node"},
+    "nodes": {"worker", "node", "admin", "monitor"},
+    "lookup": {"worker", "node"},
+    "put_start": {"worker"}, "put_end": {"worker"}, "put_revoke": {"worker"},
+    "remove": {"admin"},
+    "stats": {"admin", "monitor"},
+}
 
 _SNAPSHOT_FORMAT = "hymcache-master-v1 " + str(ENTRY_DTYPE.descr)  # a layout change refuses old snapshots
 
@@ -245,6 +255,10 @@ class Master:
         self.high_watermark, self.low_watermark, self.placement = float(high_watermark), float(low_watermark), placement
         self.clock, self.log = clock, log or (lambda msg: None)
         self._lease_ms = math.ceil(self.lease_s * 1000)
+        # Read leases are MACs under node secrets derived from this (auth.py). Random: this process's alone;
+        # a served Master with keys takes the key directory's (auth.load_lease_secret), which outlives it.
+        self.lease_secret = os.urandom(auth.SECRET_BYTES)
+        self._node_keys: dict[int, str] = {}  # node -> the name of the key that registered it (with keys)
         self._lease_max_ms = math.ceil(self.lease_max_s * 1000)
         self._put_timeout_ms = math.ceil(self.put_timeout_s * 1000)
         self._lock = threading.RLock()  # the Manager may call an in-process Master from several threads
@@ -364,8 +378,10 @@ class Master:
 
     # ------------------------------------------------------------ nodes
 
-    def register_node(self, node: int, endpoint: str, devices: list) -> None:
-        """A KV Manager announces its node. A device whose epoch or capacity changed loses its blocks."""
+    def register_node(self, node: int, endpoint: str, devices: list, *, caller: auth.Identity | None = None) -> None:
+        """A KV Manager announces its node. A device whose epoch or capacity changed loses its blocks. ``caller``
+        (served with keys): the node key calling; once a key registered a node, only that key may register it
+        again. Served, the answer is the node's lease secret (``node_secret``)."""
         node = _check_int(node, "node", 0, MAX_NODE)
         if not isinstance(endpoint, str) or len(endpoint) > 1024:
             raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a string of at most 1024 characters")
@@ -384,6 +400,7 @@ class Master:
             if d.device in seen:
                 raise ChmError(errno.EINVAL, f"devices[{i}].device {d.device} appears twice")
             seen.add(d.device)
+        self._check_node_key(node, caller)
         with self._lock:
             now = self._now_ms()
             self._journal_ready("register_node")
@@ -396,6 +413,23 @@ class Master:
                     raise ChmError(exc.errno, f"register_node {node}: not registered: {exc.message}") from None
             self._apply_node(node, endpoint, devices, now)
             self._journal_flush(durable=True)
+
+    def _check_node_key(self, node: int, caller: auth.Identity | None) -> None:
+        """A node's endpoint, devices and epochs change only through its own key (EACCES)."""
+        if caller is None:
+            return  # in process, or served without keys (loopback only)
+        if caller.node is not None and caller.node != node:
+            raise ChmError(errno.EACCES, f"register_node: key {caller.name!r} is node {caller.node}'s; it may not "
+                                         f"register node {node}")
+        with self._lock:
+            owner = self._node_keys.setdefault(node, caller.name)
+        if owner != caller.name:
+            raise ChmError(errno.EACCES, f"register_node: node {node} is registered by key {owner!r}; key "
+                                         f"{caller.name!r} may not change it (endpoint, devices, epochs)")
+
+    def node_secret(self, node: int) -> bytes:
+        """The secret node ``node``'s Manager checks read leases with."""
+        return auth.node_secret(self.lease_secret, _check_int(node, "node", 0, MAX_NODE))
 
     def _apply_node(self, node: int, endpoint: str, devices: list[DeviceInfo], now_ms: int) -> None:
         entry = self._nodes.setdefault(node, {"endpoint": endpoint, "devices": {}, "next_device": 0})
@@ -431,9 +465,14 @@ class Master:
 
     # ------------------------------------------------------------ lookup
 
-    def lookup(self, keys: list) -> list[BlockLoc]:
-        """The longest stored contiguous prefix of ``keys``; each returned block gets a read lease."""
+    def lookup(self, keys: list, request_id: str | None = None) -> list[BlockLoc]:
+        """The longest stored contiguous prefix of ``keys``; each returned block gets a read lease, and with
+        ``request_id`` its token (``BlockLoc.lease``): what the block's Manager asks for before it sends the
+        bytes to that request."""
         keys = _check_keys(keys)
+        if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_REQUEST_ID):
+            raise ChmError(errno.EINVAL, f"request_id {request_id!r} must be None or a str of 1 to {MAX_REQUEST_ID} "
+                                         "characters")
         with self._lock:
             now = self._now_ms()
             self._expire(now)
@@ -465,7 +504,20 @@ class Master:
                 self._table[rows_arr] = sub
             self.counters["lookup_hits"] += n
             self._journal_flush(durable=False)
-            return list(itertools.starmap(BlockLoc, sub[_BLOCKLOC_FIELDS].tolist()))
+            locs = list(itertools.starmap(BlockLoc, sub[_BLOCKLOC_FIELDS].tolist()))
+            return locs if request_id is None else self._leased(locs, sub["lease_until"].tolist(), now, request_id)
+
+    def _leased(self, locs: list[BlockLoc], until_ms: list[int], now_ms: int, request_id: str) -> list[BlockLoc]:
+        """``locs`` with their lease tokens for ``request_id``, each ending with the block's lease (in wall time:
+        the Managers' processes check it)."""
+        wall, secrets, out = auth.now_ms(), {}, []
+        for loc, until in zip(locs, until_ms):
+            secret = secrets.get(loc.node)
+            if secret is None:
+                secret = secrets[loc.node] = auth.node_secret(self.lease_secret, loc.node)
+            token = auth.lease_token(secret, request_id, loc.key, loc.version, loc.node, wall + int(until) - now_ms)
+            out.append(msgspec.structs.replace(loc, lease=token))
+        return out
 
     # ------------------------------------------------------------ puts
 
@@ -991,9 +1043,30 @@ def measure_bytes_per_entry(entries: int = 1 << 16, block_bytes: int = 16 << 20)
 # ---------------------------------------------------------------- serving
 
 def serve_master(master: Master, endpoint: str, curve_keys: str | None = None,
-                 log: Callable[[str], None] | None = None) -> RpcServer:
-    """An RpcServer for ``master`` bound to ``endpoint`` (run ``serve_forever``); its tick expires and syncs."""
-    return RpcServer(master, MASTER_METHODS, endpoint, tick=master.tick, tick_s=0.05, curve_keys=curve_keys, log=log)
+                 log: Callable[[str], None] | None = None, *, insecure: bool = False) -> RpcServer:
+    """An RpcServer for ``master`` bound to ``endpoint`` (run ``serve_forever``); its tick expires and syncs.
+    With ``curve_keys`` (a key directory) only its authorized keys get in, each call within MASTER_ROLES, and
+    leases are signed with the directory's lease secret; without, ``endpoint`` must be loopback unless
+    ``insecure``."""
+    if curve_keys:
+        master.lease_secret = auth.load_lease_secret(curve_keys)
+    return RpcServer(_ServedMaster(master), MASTER_METHODS, endpoint, tick=master.tick, tick_s=0.05,
+                     curve_keys=curve_keys, log=log, roles=MASTER_ROLES, callers=("register_node",), insecure=insecure)
+
+
+class _ServedMaster:
+    """What serve_master exposes: the Master; register_node answers the node's lease secret (to a node key,
+    over CurveZMQ, with keys)."""
+
+    def __init__(self, master: Master):
+        self.master = master
+
+    def __getattr__(self, name):
+        return getattr(self.master, name)
+
+    def register_node(self, node, endpoint, devices, *, caller=None) -> bytes:
+        self.master.register_node(node, endpoint, devices, caller=caller)
+        return self.master.node_secret(node)
 
 
 class MasterClient(TypedClient):
@@ -1003,15 +1076,19 @@ class MasterClient(TypedClient):
         self.rpc = RpcClient(endpoint, timeout_s, curve_keys=curve_keys)
         self.endpoint = endpoint
 
-    def register_node(self, node: int, endpoint: str, devices: list[DeviceInfo]) -> None:
-        self.rpc.call("register_node", node, endpoint, list(devices))
+    def register_node(self, node: int, endpoint: str, devices: list[DeviceInfo]) -> bytes:
+        """Registers the node; its lease secret."""
+        return self.rpc.call("register_node", node, endpoint, list(devices))
 
     def nodes(self) -> dict:
         return {int(n): {"endpoint": e["endpoint"], "devices": to(list[DeviceInfo], e["devices"])}
                 for n, e in self.rpc.call("nodes").items()}
 
-    def lookup(self, keys: list[bytes], timeout_s: float | None = None) -> list[BlockLoc]:
-        return to(list[BlockLoc], self.rpc.call("lookup", list(keys), timeout_s=timeout_s))
+    def lookup(self, keys: list[bytes], timeout_s: float | None = None,
+               request_id: str | None = None) -> list[BlockLoc]:
+        """``request_id``: the request the leases are for (BlockLoc.lease)."""
+        args = (list(keys),) if request_id is None else (list(keys), request_id)
+        return to(list[BlockLoc], self.rpc.call("lookup", *args, timeout_s=timeout_s))
 
     def put_start(self, request_id: str, keys: list[bytes], sizes: list[int]) -> list[WriteLoc | None]:
         return to(list[Union[WriteLoc, None]], self.rpc.call("put_start", request_id, list(keys), list(sizes)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 KEY_BYTES = 16  # the Master's key: a chained SHA-256 digest truncated to 16 bytes (keys.py)
+MAX_REQUEST_ID = 256  # characters of a request id
 
 
 class DeviceInfo(msgspec.Struct, array_like=True, frozen=True):
@@ -42,6 +43,7 @@ class BlockLoc(msgspec.Struct, array_like=True, frozen=True):
     length: int
     checksum: int        # xxh3_64 of the block's bytes, given at put_end
     version: int
+    lease: bytes = b""   # a lookup for a request: the Master's read lease, a capability (auth.lease_token)
 
 
 class ReadToken(msgspec.Struct, array_like=True, frozen=True):

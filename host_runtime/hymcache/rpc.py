@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import itertools
-import os
 import reprlib
 import threading
 import traceback
@@ -26,10 +25,10 @@ from typing import Any, Callable, Iterable
 
 import msgspec
 import zmq
-import zmq.auth
 
 from driver.errors import ChmError
 from driver.wire import lib as wire
+from host_runtime.hymcache import auth
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
@@ -66,26 +65,21 @@ class Payload:
 
 
 def curve_server(sock: zmq.Socket, keys_dir: str | None) -> None:
-    """CurveZMQ on a server socket, from ``keys_dir/server.key_secret`` (see ``make_curve_keys``)."""
+    """CurveZMQ on a server socket, from ``keys_dir/server.key_secret``; only the keys ``keys_dir/authorized``
+    lists get in (ZAP, see auth.py)."""
     if keys_dir:
-        public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key_secret"))
-        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        auth.protect(sock, keys_dir)
 
 
 def curve_client(sock: zmq.Socket, keys_dir: str | None) -> None:
+    """``keys_dir``: a key directory (its ``client`` key) or a client's ``NAME.key_secret`` beside ``server.key``."""
     if keys_dir:
-        server_public, _ = zmq.auth.load_certificate(os.path.join(keys_dir, "server.key"))
-        public, secret = zmq.auth.load_certificate(os.path.join(keys_dir, "client.key_secret"))
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = auth.client_keys(keys_dir)
 
 
-def make_curve_keys(keys_dir: str) -> None:
-    """Create a server and a client key pair in ``keys_dir`` (copy it to every machine of the set)."""
-
-    os.makedirs(keys_dir, exist_ok=True)
-    for name in ("server", "client"):
-        if not os.path.exists(os.path.join(keys_dir, f"{name}.key")):
-            zmq.auth.create_certificates(keys_dir, name)
+def make_curve_keys(keys_dir: str, nodes: int = 0) -> None:
+    """The keys of a set in ``keys_dir`` (see ``auth.make_keys``): copy what each machine needs to it."""
+    auth.make_keys(keys_dir, nodes)
 
 
 def call_of(frames: list) -> tuple[str, list]:
@@ -116,14 +110,19 @@ class RpcServer:
 
     def __init__(self, target: object, methods: Iterable[str], endpoint: str, *, tick: Callable[[], None] | None = None,
                  tick_s: float = 0.05, curve_keys: str | None = None, log: Callable[[str], None] | None = None,
-                 context: zmq.Context | None = None, max_frame_bytes: int = MAX_HEADER_BYTES):
+                 context: zmq.Context | None = None, max_frame_bytes: int = MAX_HEADER_BYTES,
+                 roles: dict | None = None, callers: Iterable[str] = (), insecure: bool = False):
         self.target, self.methods = target, frozenset(methods)
+        # with keys: method -> the roles that may call it; ``callers``: methods given caller=auth.Identity
+        self.roles = roles if curve_keys else None
+        self.callers = frozenset(callers)
         self.tick, self.tick_s = tick, tick_s
         self.log = log or (lambda msg: None)
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.maxmsgsize = self.max_frame_bytes = max_frame_bytes
+        warning = auth.check_bind(endpoint, curve_keys, insecure)
         curve_server(self.sock, curve_keys)
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
             port = self.sock.bind_to_random_port(endpoint[:-2])
@@ -131,6 +130,8 @@ class RpcServer:
         else:
             self.sock.bind(endpoint)
             self.endpoint = endpoint
+        if warning:
+            auth.warn(warning, log)
         self._stop = threading.Event()
         self.calls = 0
 
@@ -168,8 +169,12 @@ class RpcServer:
             if method not in self.methods:
                 raise ChmError(errno.EINVAL, f"unknown method {reprlib.repr(method)}; this server answers: "
                                              f"{', '.join(sorted(self.methods))}")
+            who = auth.caller_of(frames[1]) if self.roles is not None or method in self.callers else None
+            if self.roles is not None and not (who and who.roles & self.roles.get(method, frozenset())):
+                raise auth.refuse(method, self.roles.get(method, ()), who)
+            kw = {"caller": who} if method in self.callers else {}
             fn = getattr(self.target, method)
-            result = fn(*args, payload=[f.buffer for f in payload]) if payload else fn(*args)
+            result = fn(*args, payload=[f.buffer for f in payload], **kw) if payload else fn(*args, **kw)
             if isinstance(result, Payload):
                 result, result_frames = result.result, result.frames
             reply = _encode((0, result, ""))

@@ -604,6 +604,8 @@ def test_local_and_remote_workers_read_identical_bytes(two_devices):
                 assert remote.devices() == node["devices"]  # what it registered, over ZeroMQ too
                 before = local.stats()["prefetches"]
                 assert remote.hint("remote", keys) == 6 and here.hint("local", keys) == 6
+                with MasterClient(master_ep) as mc:  # bytes over ZeroMQ need the Master's lease (auth.py)
+                    assert remote.lease("remote", mc.lookup(keys, request_id="remote")) == 6
                 assert local.stats()["prefetches"] - before == 4  # two windows of 2 blocks
                 for key, block in zip(keys, data):
                     token, frame = remote.read("remote", key)
