@@ -60,6 +60,8 @@ def read_toml(path: Path) -> dict:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 text
+        raise ValueError(f"{path}: not TOML: byte {exc.start} is not UTF-8 ({exc.reason})") from None
 
 
 def gpu_names() -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from host_runtime.replay.models import MODELS, parse_bytes
 from host_runtime.replay.prefill import read_toml
+from host_runtime.replay.traces import TIME_SCALE_RANGE, WINDOW_S_RANGE
 
 from .tiers import TIERS
 
@@ -77,9 +78,9 @@ FIELDS = [
     Field("workload.trace", "path", flag="--trace", help="mooncake: the JSONL trace (\"\": the shared Mooncake "
           "conversation trace, ../shared/data/traces/mooncake_conversation_trace.jsonl or $CHM_MOONCAKE_TRACE)"),
     Field("workload.trace_limit", "int", 0, 1 << 40, "--trace-limit", "mooncake: only the trace's first N requests (0: all)"),
-    Field("workload.time_scale", "float", 1e-9, 1e9, "--time-scale",
+    Field("workload.time_scale", "float", *TIME_SCALE_RANGE, "--time-scale",
           "mooncake: multiply the trace's timestamps (< 1: more load)"),
-    Field("workload.window_s", "float", 1e-6, 1e9, "--window-s",
+    Field("workload.window_s", "float", *WINDOW_S_RANGE, "--window-s",
           "mooncake: a report row per window of this many seconds of arrivals (instead of per turn)"),
     Field("workload.seed", "int", 0, 2**63 - 1, "--seed", "random seed of the token lengths"),
     Field("model.name", "choice", flag="--model", help="model (replay/models.py)", choices=tuple(MODELS)),

@@ -308,10 +308,15 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
                       max_num_batched_tokens=s["gpu.max_num_batched_tokens"], max_num_seqs=s["gpu.max_num_seqs"],
                       handoff=handoff if pd else None)
                for cache, tier in zip(caches, tiers)]
-    stats: list[TurnStats] = []
+    stats: list[TurnStats] = []  # in the order the turns (a trace: its windows with arrivals) start
+    by_turn: dict[int, TurnStats] = {}
+
+    def on_turn_start(t: int, now: float) -> None:
+        stats.append(TurnStats(t, now))
+        by_turn[t] = stats[-1]
 
     def on_done(r):
-        stats[r.turn - 1].add(r)
+        by_turn[r.turn].add(r)
         if on_request is not None:
             on_request()
 
@@ -322,7 +327,7 @@ def simulate_tier(name: str, s: dict, turns=None, on_request: Callable[[], None]
     client_args = dict(concurrency=s["workload.concurrency"], tokens_per_block=B,
                        max_tokens=1 if pd else s["workload.max_tokens"],
                        decode_tokens=s["workload.max_tokens"] if pd else 0,
-                       on_turn_start=lambda t, now: stats.append(TurnStats(t, now)), on_done=on_done)
+                       on_turn_start=on_turn_start, on_done=on_done)
     if s["workload.kind"] == "mooncake":  # a trace: open loop, at its timestamps
         c = env.process(open_client(env, turns, workers, window_ns=s["workload.window_s"] * 1e9,
                                     **{k: v for k, v in client_args.items() if k != "concurrency"}))

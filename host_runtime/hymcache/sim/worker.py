@@ -399,14 +399,17 @@ def session_client(env: Env, turns, workers, *, concurrency: int, tokens_per_blo
 def open_client(env: Env, turns, workers, *, tokens_per_block: int, max_tokens: int, window_ns: float,
                 on_turn_start, on_done, decode_tokens: int = 0):
     """A trace's client, open loop: every request (``Turn.arrival_ns``) submitted at its arrival, however many
-    are in flight. ``turns[w - 1]``: the requests arriving in window w (``window_ns`` long, from 0);
-    ``on_turn_start(w, start)`` fires for every window in order, at its start (or at the first arrival
-    in it), empty windows included, so each gets a row."""
+    are in flight. ``turns``: the requests of each window that has any (``window_ns`` long, from 0), window
+    by window; ``Turn.turn`` is the window's number w; ``on_turn_start(w, start)`` fires for each of them in
+    order, at its start (or at the first arrival in it). An empty window has no row and costs nothing."""
     if not isinstance(workers, (list, tuple)):
         workers = [workers]
     pending = []
 
-    for w, batch in enumerate(turns, 1):
+    for batch in turns:
+        if not batch:
+            continue
+        w = batch[0].turn
         start = (w - 1) * window_ns
         if start > env.now:
             yield start

@@ -34,7 +34,7 @@ requests share prefixes -- every one starts with hash 0 -- rather than extend on
 12,031 requests extend an earlier request whole), so it is not cut into conversations and turns: each
 request is submitted at its timestamp (open loop, ``worker.open_client``), its block keys are its hash
 ids' blocks (a key names its whole prefix, as a Mooncake hash does), and a report row is a window of
-``window_s`` seconds of arrivals (``Turn.turn`` is the window's index). A request's input is its ``input_length`` (its hash blocks in full where the record has none) and its output
+``window_s`` seconds of arrivals (``Turn.turn`` is the window's index; a window without arrivals has no row). A request's input is its ``input_length`` (its hash blocks in full where the record has none) and its output
 its ``output_length`` (at least 1; the settings' ``max_tokens`` where the record has none). Its *reusable*
 prefix is the leading whole blocks an earlier request (in arrival order) computed.
 """
@@ -146,9 +146,11 @@ def aiperf_conversations(n: int, turns: int, *, input_tokens: float, input_token
 
 def mooncake_requests(path, *, tokens_per_block: int, block_bytes: int, limit: int | None = None,
                       time_scale: float = 1.0, window_s: float = 600.0, prefill_workers: int = 1) -> list[list[Turn]]:
-    """A Mooncake JSONL trace (module docstring): ``result[w - 1]``, the requests arriving in window w
-    (``window_s`` seconds of scaled arrival time), in arrival order; request i is ``Turn.conversation`` i,
-    routed to prefill worker ``i % prefill_workers``. ValueError for a bad file (the reader's message)."""
+    """A Mooncake JSONL trace (module docstring): the requests of every window (``window_s`` seconds of scaled
+    arrival time) that has any, window by window, each in arrival order; ``Turn.turn`` is the window's number
+    (w: arrivals in [(w - 1) x window_s, w x window_s)), so empty windows cost nothing, as in ``chm replay``.
+    Request i is ``Turn.conversation`` i, routed to prefill worker ``i % prefill_workers``. ValueError for a
+    bad file (the reader's message)."""
     from host_runtime.replay.traces import MooncakeTrace
 
     if not window_s > 0:
@@ -169,9 +171,9 @@ def mooncake_requests(path, *, tokens_per_block: int, block_bytes: int, limit: i
             reusable += 1
         seen.update(keys[:full])
         w = int(stream.start_ns // window_ns) + 1
-        while len(by_window) < w:
+        if not by_window or by_window[-1][0].turn != w:  # arrival order: a new window, the previous one done
             by_window.append([])
-        by_window[w - 1].append(Turn(i, w, input_tokens, reusable * tokens_per_block, worker=i % prefill_workers,
+        by_window[-1].append(Turn(i, w, input_tokens, reusable * tokens_per_block, worker=i % prefill_workers,
                                      keys=keys, arrival_ns=stream.start_ns,
                                      output_tokens=None if output_length is None else max(1, output_length)))
     return by_window

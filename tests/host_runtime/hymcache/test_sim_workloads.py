@@ -47,7 +47,7 @@ def test_a_trace_gives_requests_at_their_timestamps_with_hash_blocks_as_keys(tmp
     turns = [t for w in windows for t in w]
     assert [t.keys for t in turns] == [tuple(reader.keys_of(ids)) for _, ids in reader.records]
     assert turns[1].keys[:8] == turns[0].keys and turns[2].keys[:4] == turns[0].keys[:4] != turns[3].keys[:4]
-    # arrivals counted from the first timestamp (ms -> ns); rows are 2 s windows of arrivals, an empty one included
+    # arrivals counted from the first timestamp (ms -> ns); rows are the 2 s windows with arrivals
     assert [t.arrival_ns for t in turns] == [0.0, 1.5e9, 2.2e9, 5.0e9]
     assert [[t.conversation for t in w] for w in windows] == [[0, 1], [2], [3]]
     assert [t.turn for t in turns] == [1, 1, 2, 3]
