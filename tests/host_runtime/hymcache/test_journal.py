@@ -325,7 +325,8 @@ def test_a_torn_or_zeroed_tail_is_not_damage():
         assert (len(scan.records), scan.end, scan.damage) == (10, len(good), None) and scan.torn, tail
 
 
-@pytest.mark.parametrize("how", ["body byte", "checksum", "length longer", "length shorter", "last length"])
+@pytest.mark.parametrize("how", ["body byte", "checksum", "length longer", "length shorter", "length past the end",
+                                 "last length"])
 def test_a_bad_record_before_good_ones_or_a_whole_bad_one_is_damage(how):
     data = bytearray(_journal(10))
     third = len(frame_record(_CommitRec(key(0), 0))) * 3     # records 0..2 are whole; record 3 is hit
@@ -337,6 +338,8 @@ def test_a_bad_record_before_good_ones_or_a_whole_bad_one_is_damage(how):
         data[third] += 7
     elif how == "length shorter":
         data[third] -= 3
+    elif how == "length past the end":                       # looks cut short, but good records follow
+        data[third + 2] = 1
     else:                                                    # the last record's length points past the end
         third = len(data) - len(frame_record(_CommitRec(key(9), 9)))
         data[third + 1] = 1
