@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 MOONCAKE_TOKENS_PER_HASH = 512  # Mooncake traces: one hash id per 512-token block
-MAX_HASH_ID = (1 << 64) - 1  # a hash id is a 64-bit unsigned hash; its blocks' keys fit the Master's 16-byte key
+KEY_BITS = 64  # a KV block key (hash id x blocks per hash + block) fits 64 bits: the simulation packs it so
 # Virtual time is float nanoseconds from the trace's first request. A trace's scaled span is bounded by the
 # range of int64 nanoseconds (~292 years): there a float still resolves 2 us, the device's latencies stay
 # visible, and the Master's millisecond clock stays far from its int64 end. Past it, time stops adding up.
@@ -136,11 +136,11 @@ class MooncakeTrace:
                     rec = json.loads(line)
                     if not isinstance(rec, dict):
                         raise TypeError(f"the line is a JSON {type(rec).__name__}, not an object")
-                    record = _mooncake_record(rec)
+                    record = _mooncake_record(rec, self.blocks_per_hash)
                     self.lengths.append(_mooncake_lengths(rec))
                 except (ValueError, KeyError, TypeError, RecursionError) as exc:
                     raise ValueError(f"{path}:{lineno}: not a Mooncake record (need an object with timestamp "
-                                     f">= 0 and hash_ids, a non-empty list of distinct integers in [0, 2^64); "
+                                     f">= 0 and hash_ids, a non-empty list of distinct integers whose KV block keys fit 64 bits; "
                                      f"input_length >= 1 and output_length >= 0, where given, integers, the input "
                                      f"within its hash blocks): {type(exc).__name__}: {exc}") from None
                 self.records.append(record)
@@ -187,16 +187,18 @@ def _is_plain_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _mooncake_record(rec: dict) -> tuple[float, list[int]]:
+def _mooncake_record(rec: dict, blocks_per_hash: int = 1) -> tuple[float, list[int]]:
     ts, ids = rec["timestamp"], rec["hash_ids"]
+    bits = KEY_BITS - (blocks_per_hash.bit_length() - 1)  # blocks_per_hash divides 512: a power of two
+    bound = 1 << bits
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or (isinstance(ts, int) and ts > 1e300) \
             or not math.isfinite(ts) or ts < 0:  # a JSON integer of 400 digits is no float
         raise ValueError(f"timestamp = {_short.repr(ts)} must be a finite number >= 0")
     if not isinstance(ids, list) or not ids:
-        raise ValueError(f"hash_ids = {_short.repr(ids)} must be a non-empty list of integers in [0, 2^64)")
+        raise ValueError(f"hash_ids = {_short.repr(ids)} must be a non-empty list of integers in [0, 2^{bits})")
     for i, h in enumerate(ids):
-        if not _is_plain_int(h) or not 0 <= h <= MAX_HASH_ID:  # no coercion: 1.7, true and "3" are errors
-            raise ValueError(f"hash_ids = {_short.repr(ids)} must be a list of integers in [0, 2^64): element {i} "
+        if not _is_plain_int(h) or not 0 <= h < bound:  # no coercion: 1.7, true and "3" are errors
+            raise ValueError(f"hash_ids = {_short.repr(ids)} must be a list of integers in [0, 2^{bits}): element {i} "
                              f"is {_short.repr(h)} ({type(h).__name__})")
     if len(set(ids)) != len(ids):  # a hash id names its whole prefix: it cannot come twice in one request
         seen: dict[int, int] = {}

@@ -33,7 +33,7 @@ def _lines(tmp_path, *lines: str | bytes, name="t.jsonl"):
     ('{"timestamp": 1' + "0" * 400 + ', "hash_ids": [1]}', "timestamp = 1000000000000000"),  # no float: not inf
     ('{"timestamp": 1, "hash_ids": []}', "hash_ids = [] must be a non-empty list"),
     ('{"timestamp": 1, "hash_ids": [0, 18446744073709551616]}', "element 1 is 18446744073709551616 (int)"),
-    ('{"timestamp": 1, "hash_ids": [0, 1' + "0" * 40 + ']}', "must be a list of integers in [0, 2^64): element 1"),
+    ('{"timestamp": 1, "hash_ids": [0, 1' + "0" * 40 + ']}', "must be a list of integers in [0, 2^62): element 1"),
     ('{"timestamp": 1, "hash_ids": [5, 6, 5]}', "element 2 repeats element 0, 5"),
     ('{"timestamp": 1, "hash_ids": {"0": 1}}', "hash_ids = {'0': 1} must be a non-empty list"),
     ('{"timestamp": 1, "hash_ids": [1], "input_length": 1' + "0" * 400 + '}', "input_length = 1000"),

@@ -88,3 +88,17 @@ def test_a_preset_that_is_not_text_is_an_error_naming_it(tmp_path, capsys):
     path.write_bytes(b"[tiers]\nrun = '\xff'\n")
     assert chm_main(["hymcache", "simulate", "--preset", str(path), "--no-progress"]) == 1
     assert f"{path}: not TOML: byte 15 is not UTF-8" in capsys.readouterr().err
+
+
+def test_hash_ids_are_bounded_so_every_block_key_fits_64_bits(tmp_path, capsys):
+    """With 4 KV blocks per hash id the ids are in [0, 2^62): the largest one is simulated on the tiers that key
+    blocks by it (it used to stop the hymcache tier with a struct.error), the next one is an error."""
+    top = (1 << 62) - 1
+    path = _trace(tmp_path, dict(OK, hash_ids=[top, 5]), dict(OK, timestamp=1, hash_ids=[top, 6]))
+    s = load_settings(preset_path(13))
+    s.update({"workload.kind": "mooncake", "workload.trace": path})
+    assert sum(r["requests"] for r in simulate_tier("hymcache", s)["rows"]) == 2
+    path = _trace(tmp_path, dict(OK, hash_ids=[top + 1, 5]))
+    assert chm_main(["hymcache", "simulate", "--workload", "mooncake", "--trace", path, "--tiers", "hymcache",
+                     "--no-progress"]) == 1
+    assert "must be a list of integers in [0, 2^62): element 0 is 4611686018427387904" in capsys.readouterr().err
