@@ -323,6 +323,20 @@ def test_frames_over_the_limit_are_refused_by_both_ends(services):
 
 
 # ---- 10,000 requests in one burst ----------------------------------------------------------------------------
+def _burst(bad, good, header: bytes):
+    """BURST calls ``header`` from ``bad`` (none read), ``good``'s stats sent mid-burst, then a marker call;
+    (errno, stats) of the good call's answer."""
+    for i in range(BURST // 2):
+        bad.send_multipart([i.to_bytes(4, "little"), header])
+    good.rpc.send("stats")                                    # mid-burst
+    for i in range(BURST // 2, BURST):
+        bad.send_multipart([i.to_bytes(4, "little"), header])
+    bad.send_multipart([b"last", call("stats")])
+    assert good.rpc.sock.poll(ANSWER_MS)
+    _, err, during, _ = good.rpc.answer()
+    return err, during
+
+
 def test_a_burst_of_10000_calls_does_not_hold_up_a_good_client_master(services):
     """A bad DEALER sends 10,000 lookups and reads none of the answers; a good client's calls, sent during the
     burst, are answered before the burst is through: its stats() reply counts fewer than 10,000 lookups served.
@@ -333,14 +347,7 @@ def test_a_burst_of_10000_calls_does_not_hold_up_a_good_client_master(services):
         bad = dealer(services.endpoints["master"], sndhwm=0, rcvhwm=0)  # queue all of it, read nothing yet
         try:
             header = call("lookup", [key])
-            for i in range(BURST // 2):
-                bad.send_multipart([i.to_bytes(4, "little"), header])
-            good.rpc.send("stats")                                    # mid-burst
-            for i in range(BURST // 2, BURST):
-                bad.send_multipart([i.to_bytes(4, "little"), header])
-            bad.send_multipart([b"last", call("stats")])
-            assert good.rpc.sock.poll(ANSWER_MS)
-            _, err, during, _ = good.rpc.answer()
+            err, during = _burst(bad, good, header)
             found = good.lookup(services.keys)                         # and calls made after the burst was sent
             assert err == 0 and len(found) == N_BLOCKS
             served_before = during["lookup_requests"] - base
@@ -373,14 +380,7 @@ def test_a_burst_of_10000_calls_does_not_hold_up_a_good_client_manager(services)
         with ManagerClient(services.endpoints["manager"], timeout_s=ANSWER_MS / 1000) as good:
             base = good.stats()["num_retrieve_requests"]
             header = call("acquire", "bad-burst", key, 0.0)
-            for i in range(BURST // 2):
-                bad.send_multipart([i.to_bytes(4, "little"), header])
-            good.rpc.send("stats")                                    # mid-burst
-            for i in range(BURST // 2, BURST):
-                bad.send_multipart([i.to_bytes(4, "little"), header])
-            bad.send_multipart([b"last", call("stats")])
-            assert good.rpc.sock.poll(ANSWER_MS)
-            _, err, during, _ = good.rpc.answer()
+            err, during = _burst(bad, good, header)
             assert err == 0
             served_before = during["num_retrieve_requests"] - base
             assert served_before < BURST, f"the good call waited for the whole burst ({served_before} served first)"
