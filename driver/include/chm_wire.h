@@ -13,8 +13,8 @@
  *   control path  Unix socket <node path>.sock: a client sends
  *                 struct chm_attach_req, the server answers
  *                 struct chm_attach_resp plus two fds (SCM_RIGHTS): the queue
- *                 pair memfd (sealed against resizing) and the doorbell
- *                 eventfd. The connection stays open: its EOF is the
+ *                 pair memfd (sealed against resizing) and the client's
+ *                 own doorbell eventfd. The connection stays open: its EOF is the
  *                 client's detach (or death), after which the server
  *                 reclaims the queue pair and the client's prefetch handles.
  *   queue pair    one memfd per client: struct chm_qp_hdr, then the

@@ -3,7 +3,8 @@
 One thread does everything: it takes commands from every client's submission
 ring, runs them on the controller and posts completions; when no ring has
 work it spins briefly (in C, GIL released), then sleeps in ``poll()`` on the
-doorbell eventfd, the control socket and the client connections.
+clients' doorbell eventfds (one each), its own stop eventfd, the control
+socket and the client connections.
 
 Native hit path. Where the controller serves DRAM-hit reads in C (a built-in
 policy, see ``Controller.native_read``) and there is no pacing, the turns
@@ -166,6 +167,7 @@ class Client:
                  prefetch_handles_limit: int):
         """``srv``: the queue pair, set up by chm_srv_qp_init with ``batch`` (``struct chm_sqe[MAX_BATCH]``)."""
         self.id, self.conn, self.pid = cid, conn, pid
+        self.bell = -1  # its own doorbell eventfd: a client that drains its bell silences only itself
         self.map, self.srv = qp_map, srv
         self.srv_one = ffi.new("struct chm_srv_qp *[1]", [srv])  # this queue pair alone, for chm_srv_pending
         self.view = memoryview(qp_map)
@@ -227,6 +229,9 @@ class Client:
             self.map.close()
         except BufferError:
             pass
+        if self.bell >= 0:
+            os.close(self.bell)
+            self.bell = -1
         self.conn.close()
 
 
@@ -334,7 +339,7 @@ class DeviceServer:
         self.owner = NodeOwner(node, self.log)
         self.ctl: Controller | None = None
         self.listener: socket.socket | None = None
-        self.evfd = -1
+        self.evfd = -1  # wakes the serve loop for a stop request (each client rings its own bell)
         self._reserve_fd = -1  # spare fd: closed to accept (and shed) a connection when the fd table is full
         try:
             self.ctl = Controller(cfg, media_dir, log=self.log, format_media=format_media)
@@ -356,6 +361,7 @@ class DeviceServer:
             raise
         self.clients: dict[int, Client] = {}
         self.by_fd: dict[int, Client] = {}
+        self.by_bell: dict[int, Client] = {}  # doorbell eventfd -> its client
         self.pending: dict[int, tuple[socket.socket, bytes, float]] = {}  # fd -> attach request so far
         self._qp_array = ffi.new("struct chm_srv_qp *[]", 1)
         self._order: list[Client] = []
@@ -902,9 +908,9 @@ class DeviceServer:
         for fd, mask in events:
             if fd == self._media_fd:
                 continue  # a media completion: the serve loop collects it
-            if fd == self.evfd:
+            if fd == self.evfd or fd in self.by_bell:
                 try:
-                    os.eventfd_read(self.evfd)
+                    os.eventfd_read(fd)
                 except BlockingIOError:
                     pass
             elif self.listener is not None and fd == self.listener.fileno():
@@ -1047,7 +1053,13 @@ class DeviceServer:
         except OSError as exc:
             self._refuse_attach(conn, pid, exc, "no queue pair memfd")
             return
+        bell = -1
         try:
+            try:  # one doorbell per client: no client can swallow the wake-ups of another
+                bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            except OSError as exc:
+                self._refuse_attach(conn, pid, exc, "no doorbell eventfd")
+                return
             try:  # backed now: a full memory or shm gives ENOSPC here, never SIGBUS on a later access
                 os.ftruncate(fd, total)
                 os.posix_fallocate(fd, 0, total)
@@ -1074,19 +1086,24 @@ class DeviceServer:
             c = Client(cid, conn, pid, qp_map, srv, batch, offs[3], staging, offs[2], self._now(), share,
                        max(1, self.ctl.prefetch_window_pages * share // lib.CHM_PPM),
                        max(1, self.ctl.prefetch_max_handles * share // lib.CHM_PPM))
+            c.bell, bell = bell, -1  # the client owns it now (closed in Client.close)
             self.clients[cid] = c
             self.by_fd[conn.fileno()] = c
+            self.by_bell[c.bell] = c
             self.poller.register(conn.fileno(), select.POLLIN)
+            self.poller.register(c.bell, select.POLLIN)
             self._rebuild()
             self.owner.node.clients = len(self.clients)
             self.owner.node.clients_total += 1
             try:
-                self._reply(conn, 0, cid, total, (fd, self.evfd))
+                self._reply(conn, 0, cid, total, (fd, c.bell))
             except OSError:
                 self._detach(c, "attach reply failed")
                 raise
         finally:
             os.close(fd)
+            if bell >= 0:
+                os.close(bell)
         conn.setblocking(False)
 
     def _refuse_attach(self, conn: socket.socket, pid: int, exc: OSError, what: str) -> None:
@@ -1127,10 +1144,12 @@ class DeviceServer:
             return
         fd = c.conn.fileno()
         self.by_fd.pop(fd, None)
-        try:
-            self.poller.unregister(fd)
-        except KeyError:
-            pass
+        self.by_bell.pop(c.bell, None)
+        for polled in (fd, c.bell):
+            try:
+                self.poller.unregister(polled)
+            except KeyError:
+                pass
         for handle in sorted(c.handles):
             try:
                 self.ctl.release(handle, max(c.clock, self._now()))

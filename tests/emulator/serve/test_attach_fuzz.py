@@ -204,9 +204,9 @@ def test_fds_sent_to_the_device_are_not_kept(served):
             os.close(fd)
         for _ in range(8):  # and with bytes on the attached connection
             socket.send_fds(conn, [b"x"], sent)
-        # Its connection and its queue pair mapping, not the 64 fds it sent (a connection of an earlier test
-        # still in the listen backlog may come and go meanwhile).
-        wait_for(lambda: open_fds(served.proc.pid) <= served.base_fds + 2, "only the client's two fds",
+        # Its connection, its queue pair mapping and its doorbell, not the 64 fds it sent (a connection of an
+        # earlier test still in the listen backlog may come and go meanwhile).
+        wait_for(lambda: open_fds(served.proc.pid) <= served.base_fds + 3, "only the client's three fds",
                  extra=lambda: fd_links(served.proc.pid))
         conn.close()  # EOF comes after the bytes (and their fds): once it is reclaimed, they were read
         wait_for(lambda: read_node(served.node)["clients"] == 0, "the client reclaimed")
