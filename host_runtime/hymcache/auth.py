@@ -10,7 +10,7 @@ A key directory (CurveZMQ's "stonehouse" pattern) holds::
 Every secret file is 0600 (the directory 0700), and a service refuses one readable by group or others.
 A server answers only clients whose public key is in ``authorized/`` (ZAP: ``zmq.auth``'s authenticator,
 reloaded when the directory changes), and each call only if the key's role allows its method
-(``ROLES_OF`` in master.py and manager.py): else ``EACCES`` naming the role.
+(``MASTER_ROLES`` in master.py, ``MANAGER_ROLES`` in manager.py): else ``EACCES`` naming the role.
 
 A read lease is a capability: ``lease_token`` is the expiry (Unix ms) and an HMAC-SHA256 over (request id,
 key, version, node, expiry) under the node's secret, which the Master derives from its lease secret and hands

@@ -316,3 +316,17 @@ def test_up_sets_up_keys_and_roles_for_its_processes_by_default():
         rc, _, err = up.stop()
     assert rc == 0, err
     assert not os.path.exists(keys)  # a temporary key directory: gone with the set
+
+
+def test_the_readme_lists_every_method_with_its_roles():
+    """The README's table of RPC methods is the code's (MASTER_ROLES, MANAGER_ROLES), row for row."""
+    from host_runtime.hymcache.manager import MANAGER_METHODS, MANAGER_ROLES
+    from host_runtime.hymcache.master import MASTER_METHODS, MASTER_ROLES
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in ("Master", "KV Manager") and not cells[1].endswith(".py`"):
+            rows[(cells[0], cells[1].strip("`"))] = set(cells[2].split(", "))
+    want = {("Master", m): MASTER_ROLES[m] for m in MASTER_METHODS}
+    want.update({("KV Manager", m): MANAGER_ROLES[m] for m in MANAGER_METHODS})
+    assert rows == want
