@@ -29,6 +29,11 @@ KEY_BITS = 64  # a KV block key (hash id x blocks per hash + block) fits 64 bits
 MAX_SPAN_NS = float(1 << 63)
 TIME_SCALE_RANGE = (1e-9, 1e9)  # --time-scale, replay and simulation alike
 WINDOW_S_RANGE = (1e-6, 1e9)  # --window-s: a report row's seconds of virtual time
+# A generated workload is built in memory before it runs (about 40 bytes per block reference) and replayed at
+# tens of microseconds per block: past this many block references it would not fit, nor finish.
+MAX_GENERATED_BLOCKS = 10**8
+MAX_MEAN_TURNS = 10**4  # conversation: a geometric number of turns with this mean
+MAX_MEAN_TOKENS = 10**9  # conversation: mean prompt / response tokens of a turn
 _short = reprlib.Repr()  # error messages quote a bad value, never a whole 10^7-element list
 _short.maxstring, _short.maxother, _short.maxlong, _short.maxlist = 40, 40, 40, 8
 
@@ -71,6 +76,12 @@ def _positive(name: str, value, lo=1):
     if value < lo:
         raise ValueError(f"{name} = {value!r} must be >= {lo}")
     return value
+
+
+def _check_generated(what: str, blocks: int) -> None:
+    if blocks > MAX_GENERATED_BLOCKS:
+        raise ValueError(f"{what} is {blocks:.3g} block references; a generated workload may have at most "
+                         f"{MAX_GENERATED_BLOCKS:.0e} (it is built in memory before it runs)")
 
 
 def check_time_scale(time_scale) -> float:
@@ -242,6 +253,9 @@ class HymcacheMicrobench:
         _positive("concurrency", self.concurrency)
         _positive("blocks_per_turn", self.blocks_per_turn)
         _positive("turns", self.turns)
+        _check_generated(f"concurrency x blocks_per_turn x turns x (turns + 1) / 2 = {self.concurrency} x "
+                         f"{self.blocks_per_turn} x {self.turns} x {self.turns + 1} / 2",
+                         self.concurrency * self.blocks_per_turn * self.turns * (self.turns + 1) // 2)
 
     def phases(self) -> Iterator[Phase]:
         per_request = self.turns * self.blocks_per_turn
@@ -283,21 +297,39 @@ class ConversationGenerator:
     seed: int = 0
     name: str = "conversation"
     bucket_by: str = "time"
+    KEY_STRIDE = 1 << 24  # keys of session s: s * stride + block index (session 0 = the shared prefix)
 
     def __post_init__(self):
         _positive("sessions", self.sessions)
-        if not self.mean_turns >= 1:
-            raise ValueError(f"mean_turns = {self.mean_turns!r} must be >= 1")
-        for name in ("mean_prompt_tokens", "mean_response_tokens", "sessions_per_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} = {getattr(self, name)!r} must be > 0")
-        if self.mean_think_s < 0:
-            raise ValueError(f"mean_think_s = {self.mean_think_s!r} must be >= 0")
+        _positive("tokens_per_block", self.tokens_per_block)
+        if not 1 <= self.mean_turns <= MAX_MEAN_TURNS:
+            raise ValueError(f"mean_turns = {self.mean_turns!r} must be in [1, {MAX_MEAN_TURNS}]")
+        for name in ("mean_prompt_tokens", "mean_response_tokens"):
+            if not 0 < getattr(self, name) <= MAX_MEAN_TOKENS:
+                raise ValueError(f"{name} = {getattr(self, name)!r} must be in (0, {MAX_MEAN_TOKENS:.0e}]")
+        if not 0 < self.sessions_per_s < math.inf:
+            raise ValueError(f"sessions_per_s = {self.sessions_per_s!r} must be > 0 and finite")
+        if not 0 <= self.mean_think_s < math.inf:
+            raise ValueError(f"mean_think_s = {self.mean_think_s!r} must be >= 0 and finite")
+        if not 0 <= self.system_prompt_tokens < self.KEY_STRIDE * self.tokens_per_block:
+            raise ValueError(f"system_prompt_tokens = {self.system_prompt_tokens} must be in [0, "
+                             f"{self.KEY_STRIDE * self.tokens_per_block}) (2^24 blocks of {self.tokens_per_block} "
+                             f"tokens: the keys of one session)")
+        # Expected size and span, before anything is drawn: the draw itself could take forever.
+        turns = self.sessions * self.mean_turns
+        _check_generated(f"sessions x mean_turns x (system prompt blocks + 1) = {self.sessions} x {self.mean_turns:g}"
+                         f" x {self.system_prompt_tokens // self.tokens_per_block + 1}",
+                         int(turns * (self.system_prompt_tokens // self.tokens_per_block + 1)))
+        span_ns = (self.sessions / self.sessions_per_s + self.mean_turns * self.mean_think_s) * 1e9
+        if not span_ns <= MAX_SPAN_NS:
+            raise ValueError(f"sessions / sessions_per_s + mean_turns x mean_think_s = {span_ns / 1e9:.4g} s of "
+                             f"virtual time; a workload may span at most {MAX_SPAN_NS / 1e9:.4g} s (2^63 ns)")
 
     def phases(self) -> Iterator[Phase]:
         rng = random.Random(self.seed)
         sys_blocks = self.system_prompt_tokens // self.tokens_per_block
-        key_stride = 1 << 24  # keys of session s: s * stride + block index (session 0 = the shared prefix)
+        key_stride = self.KEY_STRIDE
+        drawn = 0  # block references so far: the draw may exceed the expectation checked up front
         streams, start = [], 0.0
 
         def tokens(mean: float) -> int:  # lognormal with sigma 1, scaled to the given mean
@@ -312,6 +344,12 @@ class ConversationGenerator:
             for t in range(turns):
                 context += tokens(self.mean_prompt_tokens)
                 blocks = context // self.tokens_per_block  # full blocks of the prompt are looked up / stored
+                drawn += sys_blocks + blocks
+                if blocks >= key_stride or drawn > MAX_GENERATED_BLOCKS:
+                    raise ValueError(f"session {s} turn {t + 1}: its context of {context} tokens ({blocks} blocks) "
+                                     f"brings the workload to {drawn:.3g} block references; at most "
+                                     f"{key_stride} blocks per session and {MAX_GENERATED_BLOCKS:.0e} in all "
+                                     f"(smaller mean_prompt_tokens / mean_response_tokens / mean_turns / sessions)")
                 keys = list(range(sys_blocks)) + list(range(s * key_stride, s * key_stride + blocks))
                 think = 0.0 if t == 0 else rng.expovariate(1.0 / self.mean_think_s) * 1e9 if self.mean_think_s else 0.0
                 requests.append(Request(keys, think))
@@ -346,6 +384,10 @@ class RandomReadBench:
         _positive("reads_per_client", self.reads_per_client)
         if self.region_bytes < self.block_bytes:
             raise ValueError(f"region_bytes = {self.region_bytes} must hold at least one object of {self.block_bytes} bytes")
+        _check_generated(f"region_bytes / block_bytes = {self.region_bytes} / {self.block_bytes} objects to populate",
+                         self.objects)
+        _check_generated(f"concurrency x reads_per_client = {self.concurrency} x {self.reads_per_client}",
+                         self.concurrency * self.reads_per_client)
 
     @property
     def objects(self) -> int:

@@ -99,6 +99,33 @@ def test_chm_replay_flags_out_of_range_are_usage_errors(tmp_path, capsys, argv, 
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["randread", "--region-bytes", "1e30"], "objects to populate is 5.96e+22 block references; a generated "
+                                             "workload may have at most 1e+08"),
+    (["randread", "--concurrency", "1000000", "--reads-per-client", "1000"], "concurrency x reads_per_client"),
+    (["microbench", "--concurrency", str(10**12)], "is 6.72e+14 block references"),
+    (["microbench", "--turns", str(10**9)], "is 1.02e+21 block references"),
+    (["conversation", "--sessions", str(10**12)], "is 2e+12 block references"),
+    (["conversation", "--mean-turns", "1e308"], "mean_turns = 1e+308 must be in [1, 10000]"),
+    (["conversation", "--mean-prompt-tokens", "1e308"], "mean_prompt_tokens = 1e+308 must be in (0, 1e+09]"),
+    (["conversation", "--mean-response-tokens", "inf"], "mean_response_tokens = inf must be in (0, 1e+09]"),
+    (["conversation", "--system-prompt-tokens", str(10**15)], "system_prompt_tokens = 1000000000000000 must be in "
+                                                               "[0, 2147483648)"),
+    (["conversation", "--rate", "1e-320"], "s of virtual time; a workload may span at most 9.223e+09 s"),
+    (["conversation", "--think-s", "1e308"], "s of virtual time; a workload may span at most 9.223e+09 s"),
+])
+def test_generator_flags_past_what_can_be_built_are_usage_errors(capsys, argv, message):
+    """Each hung, ran out of memory or overflowed before it was bounded."""
+    assert chm_main(["replay", *argv, "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_conversation_drawn_past_the_bound_stops_with_an_error_naming_the_session(capsys):
+    assert chm_main(["replay", "conversation", "--mean-prompt-tokens", "1e9", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "session 3 turn 1: its context of" in err and "at most 16777216 blocks per session" in err, err
+
+
 def test_parse_bytes_names_an_infinite_count():
     with pytest.raises(ValueError, match="--dram = '1e400' is not a finite byte count"):
         parse_bytes("1e400", "--dram")
