@@ -47,19 +47,21 @@ extent): 0 when all free space is one run, near 1 when shattered.
 
 Crash safety (``state_dir``)
 ----------------------------
-Every mutation appends a record (msgspec MessagePack, framed with its length
-and CRC32) to ``journal-<gen>``: node registrations, allocations, commits,
-drops and frees, in the order they happen, so replay reproduces the allocator
-exactly. Records reach the OS at the end of every call (so ``kill -9`` loses
-nothing that returned) and are fsync'd when ``put_end`` and ``register_node``
-return (durable against power loss too) and on every server tick. Every
-``snapshot_every`` records the whole state goes to ``snapshot.msgpack``
-(written aside, fsync'd, renamed) and a new journal generation starts.
-On start the snapshot is loaded and its journal replayed (a torn last record
-is dropped); then put_starts in flight are revoked and leases dropped (they
-do not survive a restart: workers time out and recompute, then store again);
-LRU order after a restart is put_end order. A lock file keeps a second Master
-off the same directory.
+Every mutation appends a record to ``journal-<gen>`` (framing, damage rules and
+recovery: ``journal.py``): node registrations, allocations, commits, drops and
+frees, in the order they happen, so replay reproduces the allocator exactly.
+Records reach the OS at the end of every call (so ``kill -9`` loses nothing
+that returned) and are fsync'd before ``put_end`` and ``register_node`` return
+(durable against power loss too) and on every server tick. A call whose record
+cannot be written (ENOSPC, EIO) fails and is undone, naming the state dir;
+lookups go on meanwhile, and puts resume when the disk does. Every
+``snapshot_every`` records the whole state goes to ``snapshot.msgpack`` and a
+new journal generation starts. On start the snapshot is loaded and its journal
+replayed; damage refuses the start, naming the file and the offset, unless
+``recover_damaged``. Then put_starts in flight are revoked and leases dropped
+(they do not survive a restart: workers time out and recompute, then store
+again); LRU order after a restart is put_end order. A lock file keeps a second
+Master off the same directory.
 """
 
 from __future__ import annotations
