@@ -41,6 +41,8 @@ from emulator.cli import UsageError, float_in, int_at_least
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEFAULT_STOP_TIMEOUT_S = 20.0
 READY_TIMEOUT_S = 60.0
+DEFAULT_MAX_RESTARTS = 5     # chm hymcache up: restarts of one child ...
+RESTART_WINDOW_S = 60.0      # ... within this long, before it gives up and stops all
 PORT_MAX = 65535
 PR_SET_PDEATHSIG = 1
 
@@ -73,6 +75,10 @@ def register(sub) -> None:
     u.add_argument("--stop-timeout", type=float_in(0, lo_open=True), default=DEFAULT_STOP_TIMEOUT_S, metavar="S",
                    help=f"per group of children, SIGTERM then SIGKILL after this long "
                         f"(default {DEFAULT_STOP_TIMEOUT_S:g})")
+    u.add_argument("--max-restarts", type=int_at_least(0), default=DEFAULT_MAX_RESTARTS, metavar="N",
+                   help=f"a child that exits is restarted, the rest serving on, unless it exited N times within "
+                        f"{RESTART_WINDOW_S:g} s: then all stop (default {DEFAULT_MAX_RESTARTS}; 0: stop all at "
+                        f"the first exit)")
     u.add_argument("--no-keys", action="store_true",
                    help="no CurveZMQ keys (loopback only, any local process may call anything); default: keys in "
                         "--curve-keys DIR, else STATE_DIR/keys, else a temporary directory removed at exit")
@@ -457,6 +463,7 @@ class Child:
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
     banner: str = ""
+    restarts: list = field(default_factory=list)  # monotonic times it was started again
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
@@ -591,6 +598,22 @@ class HyMCacheSet:
                          "pid": c.proc.pid} for i, c in enumerate(self.devices)],
         }
 
+    def restart(self, c: Child) -> None:
+        """Start an exited child again with its command, until it is ready (else ChmError). The Master gets
+        the port it had, so the Managers and workers that know its address find it again; a Manager or a
+        device comes back as at the start (a device on the same media; the Manager reopens it)."""
+        if c.proc is not None and c.proc.stdout is not None:
+            for line in _drain(c.proc.stdout).splitlines():
+                if line.strip():
+                    print(f"  [{c.name}] {line}", file=sys.stdout if self.verbose else sys.stderr, flush=True)
+        if c is self.master and "endpoint" in c.info:
+            at = c.cmd.index("--port") + 1
+            c.cmd[at] = c.info["endpoint"].rsplit(":", 1)[1]
+        c.restarts.append(time.monotonic())
+        c.info, c.banner = {}, ""
+        c.start()
+        c.wait_ready(time.monotonic() + READY_TIMEOUT_S)
+
     def dead(self) -> list[Child]:
         """Children that exited on their own."""
         return [c for c in self.children if c.proc is not None and c.proc.poll() is not None
@@ -675,11 +698,18 @@ def _up_with(args, keys: str | None) -> int:
                 print(f"chm hymcache up: {signal.Signals(got.si_signo).name}: stopping managers, master, devices",
                       flush=True)
                 break
-            dead = hset.dead()
-            if dead:
-                c = dead[0]
-                raise ChmError(errno.EIO, f"{c.name} (pid {c.proc.pid}) exited with status {c.proc.returncode}; "
-                                          f"stopped the rest")
+            for c in hset.dead():  # restarted, the rest serving on, unless it keeps exiting
+                now = time.monotonic()
+                recent = [t for t in c.restarts if now - t < RESTART_WINDOW_S]
+                why = f"{c.name} (pid {c.proc.pid}) exited with status {c.proc.returncode}"
+                if len(recent) >= args.max_restarts:
+                    raise ChmError(errno.EIO, f"{why}, restarted {len(recent)} times in the last "
+                                              f"{RESTART_WINDOW_S:g} s (--max-restarts {args.max_restarts}); "
+                                              f"stopped the rest")
+                print(f"chm hymcache up: {why}: restarting it", flush=True)
+                hset.restart(c)
+                print(f"chm hymcache up: {c.name} restarted (pid {c.proc.pid}"
+                      f"{', ' + c.info['endpoint'] if c.info.get('endpoint') else ''})", flush=True)
     finally:
         codes = hset.stop()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

@@ -188,8 +188,31 @@ def test_up_starts_the_set_answers_and_stops_in_order(tmp_path):
     assert state.is_dir() and any(state.iterdir())                      # the Master left its state
 
 
-def test_up_stops_everything_when_a_child_dies_and_children_die_with_up(tmp_path):
+def test_up_restarts_a_manager_that_dies_and_the_rest_serve_on(tmp_path):
+    from host_runtime.hymcache.cli import read_lines
+    from host_runtime.hymcache.master import MasterClient
+
     with Up("--nodes", "1", "--devices-per-node", "1") as up:
+        old = up.desc["managers"][0]
+        others = [p for p in up.pids if p != old["pid"]]
+        os.kill(old["pid"], signal.SIGKILL)
+        for line in read_lines(up.proc, time.monotonic() + 90, "up"):
+            up.out += line
+            if "manager 0 restarted" in line:
+                break
+        assert f"manager 0 (pid {old['pid']}) exited with status -9: restarting it" in up.out, up.out
+        assert all(alive(p) for p in others)                            # the Master and the device served on
+        with MasterClient(up.desc["master"], timeout_s=10) as mc:
+            (node,) = mc.nodes().values()
+        endpoint = node["endpoint"] if isinstance(node, dict) else node.endpoint
+        assert endpoint in line and endpoint != old["endpoint"]        # the new Manager registered itself
+        rc, out, err = up.stop()
+    assert rc == 0, err
+    assert "all stopped" in out
+
+
+def test_up_stops_everything_when_a_child_dies_and_children_die_with_up(tmp_path):
+    with Up("--nodes", "1", "--devices-per-node", "1", "--max-restarts", "0") as up:
         dev_pid = up.desc["devices"][0]["pid"]
         others = [p for p in up.pids if p != dev_pid]
         os.kill(dev_pid, signal.SIGKILL)
@@ -199,6 +222,7 @@ def test_up_stops_everything_when_a_child_dies_and_children_die_with_up(tmp_path
         p.unlink(missing_ok=True)                                       # what the killed device left behind
     assert rc == 1
     assert err.startswith("chm hymcache up: error: ") and "device " in err and "exited with status -9" in err
+    assert "(--max-restarts 0); stopped the rest" in err
     assert not any(alive(p) for p in others)
     with Up("--nodes", "1", "--devices-per-node", "1") as up:
         pids = up.pids
