@@ -30,12 +30,12 @@ def can_mount() -> bool:
 
 
 @contextlib.contextmanager
-def small_tmpfs(where: Path):
-    """A 64 MiB tmpfs at ``where`` (root only), always unmounted."""
+def small_tmpfs(where: Path, size_bytes: int = TMPFS_BYTES):
+    """A real tmpfs of ``size_bytes`` (64 MiB) at ``where`` (root only), always unmounted."""
     if not can_mount():
         pytest.skip("mounting a small tmpfs needs root")
     where.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES // MiB}m", "tmpfs", str(where)],
+    run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes // 1024}k", "tmpfs", str(where)],
                          capture_output=True, text=True)
     if run.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")

@@ -323,6 +323,18 @@ def test_frames_over_the_limit_are_refused_by_both_ends(services):
 
 
 # ---- 10,000 requests in one burst ----------------------------------------------------------------------------
+def _burst_answers(bad) -> dict:
+    """Take the burst's answers, each a success within ANSWER_MS, up to the closing stats call's: its counters."""
+    answers = 0
+    while True:
+        assert bad.poll(ANSWER_MS), f"the burst stalled after {answers} answers"
+        call_id, reply = bad.recv_multipart()
+        if call_id == b"last":
+            return msgspec.msgpack.decode(reply)[1]
+        answers += 1
+        assert answers <= BURST and msgspec.msgpack.decode(reply)[0] == 0
+
+
 def _burst(bad, good, header: bytes):
     """BURST calls ``header`` from ``bad`` (none read), ``good``'s stats sent mid-burst, then a marker call;
     (errno, stats) of the good call's answer."""
@@ -354,15 +366,7 @@ def test_a_burst_of_10000_calls_does_not_hold_up_a_good_client_master(services):
             assert served_before < BURST, f"the good call waited for the whole burst ({served_before} served first)"
             served_before = good.stats()["lookup_requests"] - base - 1
             assert served_before < BURST, f"the good calls waited for the whole burst ({served_before} served first)"
-            answers = 0
-            while True:                                                # bounded: each answer within ANSWER_MS
-                assert bad.poll(ANSWER_MS), f"the burst stalled after {answers} answers"
-                call_id, reply = bad.recv_multipart()
-                if call_id == b"last":
-                    break
-                answers += 1
-                assert answers <= BURST and msgspec.msgpack.decode(reply)[0] == 0
-            after = msgspec.msgpack.decode(reply)[1]["lookup_requests"] - base
+            after = _burst_answers(bad)["lookup_requests"] - base
             assert after >= BURST + 1, after  # every burst call was served (and the good lookup)
         finally:
             bad.close(0)
@@ -388,15 +392,7 @@ def test_a_burst_of_10000_calls_does_not_hold_up_a_good_client_manager(services)
             services.load(good, "good-burst")
             served_before = good.stats()["num_retrieve_requests"] - base - N_BLOCKS
             assert served_before < BURST, f"the good load waited for the whole burst ({served_before} served first)"
-            answers = 0
-            while True:
-                assert bad.poll(ANSWER_MS), f"the burst stalled after {answers} answers"
-                call_id, reply = bad.recv_multipart()
-                if call_id == b"last":
-                    break
-                answers += 1
-                assert answers <= BURST and msgspec.msgpack.decode(reply)[0] == 0
-            after = msgspec.msgpack.decode(reply)[1]["num_retrieve_requests"] - base
+            after = _burst_answers(bad)["num_retrieve_requests"] - base
             assert after >= BURST + N_BLOCKS, after
     finally:
         bad.close(0)

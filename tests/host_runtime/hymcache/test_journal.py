@@ -27,6 +27,7 @@ from host_runtime.hymcache.messages import DeviceInfo
 from host_runtime.hymcache.rpc import RemoteError
 
 from .procs import start_piece
+from tests.emulator.media_trouble import small_tmpfs
 from tests.emulator.serve.serving import ROOT
 
 BLOCK = 4096
@@ -40,16 +41,8 @@ def key(i: int) -> bytes:
 @pytest.fixture
 def tmpfs(tmp_path):
     """A real 256 KiB tmpfs (root mounts it; skipped only where mount is refused)."""
-    where = tmp_path / "tmpfs"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "tmpfs", 256 << 10) as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def fill(fs) -> str:
