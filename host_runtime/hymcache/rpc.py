@@ -207,6 +207,9 @@ class RpcClient:
         # the server's limit too (its pair's constant): a larger frame is refused here, not sent to be dropped
         self.sock.maxmsgsize = self.max_frame_bytes = max_frame_bytes
         curve_client(self.sock, curve_keys)
+        # A CurveZMQ server drops a plaintext or unauthorized handshake without a word: say so on a timeout.
+        self._no_answer_hint = ("" if curve_keys else "; a service with CurveZMQ keys answers no client without "
+                                "an authorized key (--curve-keys DIR, or the connector's key_dir)")
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
 
@@ -217,7 +220,7 @@ class RpcClient:
         call_id = self._send(method, args, payload, wait_ms)
         while True:
             if not self.sock.poll(wait_ms):
-                raise RpcTimeout(f"{method} to {self.endpoint}: no answer within {wait_ms} ms")
+                raise RpcTimeout(f"{method} to {self.endpoint}: no answer within {wait_ms} ms{self._no_answer_hint}")
             reply = self.sock.recv_multipart(copy=False)
             if reply[0].bytes != call_id:
                 continue  # a late answer to a call that timed out

@@ -309,8 +309,9 @@ def test_up_sets_up_keys_and_roles_for_its_processes_by_default():
         keys = up.desc["curve_keys"]
         assert keys and stat.S_IMODE(os.stat(os.path.join(keys, "server.key_secret")).st_mode) == 0o600
         assert {k["name"]: k["roles"] for k in auth.list_keys(keys)}["node-0"] == ["node"]
-        with MasterClient(up.desc["master"], timeout_s=0.5) as mc, pytest.raises(RpcTimeout):
-            mc.nodes()  # plaintext: no answer
+        with MasterClient(up.desc["master"], timeout_s=0.5) as mc, pytest.raises(RpcTimeout, match="answers no client "
+                                                                                           "without an authorized key"):
+            mc.nodes()  # plaintext: no answer, and the timeout says why it may be
         with MasterClient(up.desc["master"], timeout_s=10, curve_keys=keys) as mc:
             assert list(mc.nodes()) == [0]  # the Manager registered with its node key
         rc, _, err = up.stop()
