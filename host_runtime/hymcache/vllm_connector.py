@@ -285,6 +285,11 @@ class HyMCacheConnector(KVConnectorBase_V1):
             except Exception:  # a model config without it: the shape check leaves head_dim out
                 head_size = None
             self.worker = HyMCacheWorker(self.config, block_size, head_size, log=logger.info)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            logger.warning("kv_load_failure_policy is %r: a HyMCache load that fails (a device gone, a checksum "
+                           "mismatch) fails its request; with \"kv_load_failure_policy\": \"recompute\" in the "
+                           "kv-transfer-config vLLM recomputes the chunks instead", policy)
         LIVE.add(self)
         logger.info("HyMCache connector (%s): Master %s, chunk_size %d, kv_dtype %s, model %s", role.name,
                     self.config.master_endpoint, self.config.chunk_size, self.config.kv_dtype, self.config.model_name)

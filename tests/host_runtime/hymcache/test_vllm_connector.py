@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 for _name, _value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
@@ -140,7 +141,7 @@ def engine(model_dir, reference, hymcache):
     extra = {"master_endpoint": hset.master_endpoint, "key_dir": keys, "key_name": "worker",
              "staging_buffer_size": 0.1, "blocking_timeout_secs": 20.0, "lookup_timeout_ms": 10000.0}
     ktc = KVTransferConfig(kv_connector="HyMCacheConnector", kv_connector_module_path="host_runtime.hymcache.vllm_connector",
-                           kv_role="kv_both", kv_connector_extra_config=extra)
+                           kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
     start = time.monotonic()
     llm = LLM(**engine_kwargs(model_dir), kv_transfer_config=ktc)
     build_s = time.monotonic() - start
@@ -179,6 +180,45 @@ def test_multi_turn_reuse_from_the_devices_is_token_identical(engine, reference)
         prev = prompt
     sched = engine.scheduler.stats()
     assert sched["num_lookup_requests"] == len(rows) and sched["num_lookup_errors"] == 0
+
+
+def test_a_failed_load_is_recomputed_by_vllm_and_the_tokens_stay_identical(engine, reference):
+    """A chunk that fails to load after part of it was copied (fault injected into the worker's block load):
+    the chunks before it are used, it and the rest are reported as load errors, vLLM recomputes from there
+    (overwriting the garbage), and the greedy tokens are the reference's."""
+    row = reference["rows"][-1]
+    prompt = row["prompt"]
+    generate = greedy(engine.llm)
+    assert generate(prompt) == row["output"]  # stores whatever is missing (nothing after the first test)
+    chunks = (len(prompt) - 1) // CS
+    assert chunks >= 3
+    worker = engine.worker.worker
+    real = worker._load_block
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 3:  # half a chunk copied, then the device goes away: its blocks hold garbage
+            for kv in worker._kv_bytes:
+                for vblock in args[3]:
+                    kv[vblock] = np.random.default_rng(len(calls)).integers(0, 256, kv.shape[1], dtype=np.uint8)
+            raise ChmError(5, "injected: the device went away mid-load")
+        return real(*args, **kwargs)
+
+    before = worker.stats()
+    worker._load_block = failing
+    try:
+        output = generate(prompt)
+    finally:
+        worker._load_block = real
+    delta = {k: v - before[k] for k, v in worker.stats().items()}
+    assert len(calls) == 3  # the load stops at the failed chunk
+    assert delta["num_load_errors"] == 1 and delta["num_hit_tokens"] == 2 * CS
+    assert output == row["output"], "greedy tokens differ after vLLM recomputed the failed chunks"
+    # the next turn of the same prompt loads everything again (nothing was removed or overwritten)
+    before = worker.stats()
+    assert generate(prompt) == row["output"]
+    assert worker.stats()["num_hit_tokens"] - before["num_hit_tokens"] == chunks * CS
 
 
 def test_chunk_size_must_be_a_multiple_of_the_block_size():
