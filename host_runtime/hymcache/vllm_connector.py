@@ -13,7 +13,7 @@ host_runtime.hymcache.vllm_launcher``). ``kv_connector_extra_config`` takes the 
 ``connector.HyMCacheConfig`` by the same names: ``master_endpoint``, ``chunk_size``,
 ``blocking_timeout_secs``, ``lookup_timeout_ms``, ``lookup_batch``, ``staging_buffer_size``,
 ``transfer``, ``key_dir`` / ``key_name`` or ``curve_keys``, ``rpc_timeout_s``, ``verify_checksum``,
-``model_name``. Two are vLLM's, not the user's: ``kv_dtype`` is the KV cache's dtype (``--dtype``
+``model_name``, and one of this layer: ``load_async`` (default false). Two are vLLM's, not the user's: ``kv_dtype`` is the KV cache's dtype (``--dtype``
 with ``cache_dtype=auto``; giving another is an error), and ``chunk_size`` defaults to vLLM's
 ``block_size`` (128 on CPU) and must be a multiple of it. ``model_name`` defaults to the served
 model name; give the same one to engines that load the model from different paths.
@@ -36,22 +36,32 @@ stores) with only vLLM's hooks overridden:
   Saves are reserved (``put_start``, staging slots) when the step's metadata is bound, because vLLM
   calls ``start_load_kv`` after the forward in steps without a synchronous load, and the layers are
   staged by ``save_kv_layer`` during the forward; ``wait_for_save`` writes them (a refused write is
-  skipped, counted, and offered again next turn). Loads are synchronous: ``start_load_kv`` (before
-  the forward, as vLLM orders it when a step has synchronous loads) loads every chunk; a chunk that
-  fails is reported by ``get_block_ids_with_load_errors`` with every chunk after it, and vLLM
-  recomputes from there (``kv_load_failure_policy="recompute"``); that request's saves of the step
-  are dropped (its KV of the step was computed over the broken prefix).
+  skipped, counted, and offered again next turn). Synchronous loads (the default): ``start_load_kv``
+  (before the forward, as vLLM orders it when a step has synchronous loads) loads every chunk; a
+  chunk that fails is reported by ``get_block_ids_with_load_errors`` with every chunk after it, and
+  vLLM recomputes from there (``kv_load_failure_policy="recompute"`` in the kv-transfer-config; the
+  connector warns when it is vLLM's default ``fail``); that request's saves of the step are dropped
+  (its KV of the step was computed over the broken prefix). Asynchronous loads (``load_async``):
+  ``get_num_new_matched_tokens`` says ``load_async=True``, vLLM parks the request in
+  WAITING_FOR_REMOTE_KVS, the load goes to a loader thread (a worker of its own: an RPC client and a
+  libchm handle are one thread's) that writes the request's blocks, and ``get_finished`` reports
+  the request in ``finished_recving`` with its failed blocks in the load errors of the same step. A
+  request whose asynchronous load failed from its first chunk (or that was preempted after one) is
+  computed, not loaded again.
 
 The fingerprint of the keys covers the model name, the KV dtype, this layout with vLLM's block
 size, and the chunk size, so a float32 engine and a bfloat16 one never share a block.
-Not done yet: asynchronous loads (``load_async=True``), tensor / pipeline parallelism (one worker),
+Not done yet: tensor / pipeline parallelism (one worker),
 hybrid models with several KV cache groups, and KV cache dtypes other than the model's.
 """
 
 from __future__ import annotations
 
 import errno
+import queue
+import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,8 +85,12 @@ VLLM_CPU_LAYOUT = "vllm-cpu-v1:layer,block(of {bs} tokens),kv_head,(k^T[head_dim
 LIVE: "weakref.WeakSet[HyMCacheConnector]" = weakref.WeakSet()  # this process's instances (tests read counters)
 
 
+@dataclass
 class HyMCacheVllmMetadata(hc.HyMCacheConnectorMetadata, KVConnectorMetadata):
-    """One step's loads and saves, from the scheduler side to the worker side."""
+    """One step's loads and saves, from the scheduler side to the worker side; ``async_loads``: the requests
+    whose load runs in the background (vLLM holds them in WAITING_FOR_REMOTE_KVS until get_finished)."""
+
+    async_loads: set[str] = field(default_factory=set)
 
 
 def _model_name(vllm_config) -> str:
@@ -94,9 +108,21 @@ def _kv_dtype(vllm_config) -> str:
     return cache_dtype
 
 
+VLLM_SETTINGS = ("load_async",)  # settings of this layer only (not HyMCacheConfig's)
+
+
+def vllm_settings(extra: dict | None) -> dict:
+    """This layer's own settings from ``kv_connector_extra_config``: ``load_async`` (bool, default False)."""
+    values = {"load_async": False}
+    values.update({k: v for k, v in (extra or {}).items() if k in VLLM_SETTINGS})
+    if not isinstance(values["load_async"], bool):
+        raise ChmError(errno.EINVAL, f"load_async {values['load_async']!r} is outside the allowed range: true or false")
+    return values
+
+
 def config_from_vllm(extra: dict | None, vllm_config) -> hc.HyMCacheConfig:
     """HyMCacheConfig from ``kv_connector_extra_config`` and what vLLM fixes (block size, KV dtype, model)."""
-    values = dict(extra or {})
+    values = {k: v for k, v in (extra or {}).items() if k not in VLLM_SETTINGS}
     block_size = int(vllm_config.cache_config.block_size)
     kv_dtype = _kv_dtype(vllm_config)
     if "kv_dtype" in values and values["kv_dtype"] != kv_dtype:
@@ -122,10 +148,14 @@ class HyMCacheScheduler(hc.HyMCacheConnector):
 
     metadata_class = HyMCacheVllmMetadata
 
-    def __init__(self, config: hc.HyMCacheConfig, vllm_block_size: int, **kwargs):
+    def __init__(self, config: hc.HyMCacheConfig, vllm_block_size: int, *, load_async: bool = False, **kwargs):
         self.kv_layout = _layout(vllm_block_size)
         self.vllm_block_size = vllm_block_size
         self.tiles = config.chunk_size // vllm_block_size     # vLLM blocks per chunk
+        self.load_async = load_async                          # read per request: a test may switch it
+        self._async: dict[str, bool] = {}                     # request -> its load is asynchronous
+        self._async_planned: list[str] = []                   # async loads planned, not yet in a step's metadata
+        self._async_once: set[str] = set()                    # requests that had an async load planned
         self._asked: dict[str, int] = {}                      # request -> num_computed_tokens it was asked with
         self._reqs: dict[str, tuple[list[int], list[int]]] = {}  # request -> (prompt, vLLM block ids)
         super().__init__(config, hc.KVConnectorRole.SCHEDULER, **kwargs)
@@ -133,13 +163,34 @@ class HyMCacheScheduler(hc.HyMCacheConnector):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not request.prompt_token_ids:  # prompt embeddings: no token ids to key by
             return 0, False
+        if request.request_id in self._async_once:  # asked again: its async load failed from the first chunk
+            return 0, False                           # (or it was preempted): computed, not loaded again
         tokens, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
         self._asked[request.request_id] = num_computed_tokens
         if tokens is None:
             return None, False
         if num_computed_tokens % self.block_size:  # the local hit ends inside a chunk: its start is not ours
             return 0, False
-        return tokens, False
+        load_async = self._async.setdefault(request.request_id, self.load_async) and tokens > 0
+        return tokens, load_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        st = self._sched.get(request.request_id)
+        if st is not None and st.load is not None and self._async.get(request.request_id):
+            self._async_planned.append(request.request_id)
+            self._async_once.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output) -> HyMCacheVllmMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        for rid in self._async_planned:  # not scheduled: vLLM waits for get_finished to report the load
+            st = self._sched.get(rid)
+            if st is not None and st.load is not None:
+                meta.requests.append(hc.ReqMeta(rid, load=st.load))
+                meta.async_loads.add(rid)
+                st.load = None
+        self._async_planned = []
+        return meta
 
     def _computed_before(self, request) -> int:
         return self._asked.get(request.request_id, 0)
@@ -180,6 +231,8 @@ class HyMCacheScheduler(hc.HyMCacheConnector):
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         self._asked.pop(request.request_id, None)
         self._reqs.pop(request.request_id, None)
+        self._async.pop(request.request_id, None)
+        self._async_once.discard(request.request_id)
         return super().request_finished(request, block_ids)
 
 
@@ -193,6 +246,13 @@ class HyMCacheWorker(hc.HyMCacheConnector):
         self.vllm_block_size = vllm_block_size
         self.tiles = config.chunk_size // vllm_block_size
         self.head_size = head_size
+        self._kwargs = kwargs
+        self._loader: HyMCacheWorker | None = None   # asynchronous loads: its own clients and device handles
+        self._loads: queue.Queue = queue.Queue()
+        self._loaded: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._async_errors: set[int] = set()
+        self.num_async_loads = 0
         super().__init__(config, hc.KVConnectorRole.WORKER, **kwargs)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -244,19 +304,79 @@ class HyMCacheWorker(hc.HyMCacheConnector):
         if self._meta is None:
             raise ChmError(errno.EINVAL, "start_load_kv before bind_connector_metadata")
         for rm in self._meta.requests:
-            if rm.load is not None:
+            if rm.load is not None and rm.request_id in getattr(self._meta, "async_loads", ()):
+                self._load_in_background(rm.request_id, rm.load)
+            elif rm.load is not None:
                 self._load(rm.request_id, rm.load)
         for p in [p for p in self._pending if p.request_id in self._failed_now]:
             self._pending.remove(p)  # recomputed from the failed chunk: this step's KV of it is not to keep
             self._skip(p, p.keys, self.figures.setdefault(p.request_id, hc.TurnFigures()),
                        ChmError(errno.EIO, "its load failed; vLLM recomputes it"))
 
+    def _load_in_background(self, rid: str, spec: hc.LoadSpec) -> None:
+        """Queue an asynchronous load for the loader thread (started on the first one). The loader is a worker
+        of its own (an RpcClient and a libchm handle are one thread's), on the same KV tensors; the request's
+        blocks are vLLM's to nobody else until get_finished reports it."""
+        if self._loader is None:
+            self._loader = HyMCacheWorker(self.config, self.vllm_block_size, self.head_size, **self._kwargs)
+            self._loader.register_kv_caches(dict(zip(self.layer_index, self.kv_caches)))
+            self._thread = threading.Thread(target=self._loader_loop, name="hymcache-loader", daemon=True)
+            self._thread.start()
+        self.num_async_loads += 1
+        self._loads.put((rid, spec))
+
+    def _loader_loop(self) -> None:
+        loader = self._loader
+        while True:
+            job = self._loads.get()
+            if job is None:
+                return
+            rid, spec = job
+            try:
+                loader._load(rid, spec)  # a failed chunk and the rest land in its load errors
+            except Exception as exc:  # never leave vLLM waiting: the whole load counts as failed
+                self.log(f"asynchronous load of request {rid}: {exc}")
+                loader._load_errors.update(spec.block_ids)
+            self._loaded.put((rid, loader._loaded_ok.pop(rid, 0), loader.get_block_ids_with_load_errors()))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Asynchronous loads that ended since the last call (their failed blocks go to the load errors)."""
+        super().get_finished(finished_req_ids)
+        recving = set()
+        while True:
+            try:
+                rid, loaded_ok, errors = self._loaded.get_nowait()
+            except queue.Empty:
+                break
+            self._loaded_ok[rid] = loaded_ok   # its stores start after what was loaded
+            self._async_errors |= errors
+            recving.add(rid)
+        return None, recving or None
+
+    def stats(self) -> dict:
+        counters = super().stats()
+        if self._loader is not None:
+            for k, v in self._loader.stats().items():
+                counters[k] = counters.get(k, 0) + v
+        counters["num_async_loads"] = self.num_async_loads
+        return counters
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._loads.put(None)
+            self._thread.join(timeout=self.config.blocking_timeout_secs + self.config.rpc_timeout_s)
+            self._thread = None
+        if self._loader is not None:
+            self._loader.shutdown()
+        super().shutdown()
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         # the registered tensor of that layer (what vLLM passes is the same memory)
         super().save_kv_layer(layer_name, self.kv_caches[self._layer(layer_name)], attn_metadata, **kwargs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return {b for chunk in super().get_block_ids_with_load_errors() for b in chunk}
+        errors, self._async_errors = self._async_errors, set()
+        return errors | {b for chunk in super().get_block_ids_with_load_errors() for b in chunk}
 
 
 def _index_after(keys: list[bytes], loaded: list[bytes]) -> int:
@@ -274,11 +394,13 @@ class HyMCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config = config_from_vllm(extra, vllm_config)
+        self.settings = vllm_settings(extra)
         block_size = int(vllm_config.cache_config.block_size)
         self.scheduler: HyMCacheScheduler | None = None
         self.worker: HyMCacheWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = HyMCacheScheduler(self.config, block_size, log=logger.info)
+            self.scheduler = HyMCacheScheduler(self.config, block_size, load_async=self.settings["load_async"],
+                                               log=logger.info)
         else:
             try:
                 head_size = int(vllm_config.model_config.get_head_size())

@@ -147,14 +147,22 @@ def engine(model_dir, reference, hymcache):
     build_s = time.monotonic() - start
     roles = {c.role.name: c for c in LIVE}
     assert set(roles) == {"SCHEDULER", "WORKER"}, roles
-    yield SimpleNamespace(llm=llm, scheduler=roles["SCHEDULER"], worker=roles["WORKER"], build_s=build_s)
+    worker, generate = roles["WORKER"], greedy(llm)
+
+    def scrubbed(prompt: list[int]) -> list[int]:
+        """Every KV block zeroed first: what a turn reuses can only come from the devices (vLLM hands a
+        request's blocks out again in the same order, so they would still hold the last turn's KV)."""
+        for kv in worker.worker.kv_caches:
+            kv.zero_()
+        return generate(prompt)
+    yield SimpleNamespace(llm=llm, scheduler=roles["SCHEDULER"], worker=worker, build_s=build_s, generate=scrubbed)
     for c in roles.values():
         c.shutdown()
 
 
 def test_multi_turn_reuse_from_the_devices_is_token_identical(engine, reference):
     rows = reference["rows"]
-    generate = greedy(engine.llm)
+    generate = engine.generate
     print(f"\nreference engine build {reference['build_s']:.1f} s, its conversation {reference['total_s']:.1f} s; "
           f"connector engine build {engine.build_s:.1f} s")
     print("turn prompt loaded stored skipped seconds")
@@ -188,7 +196,7 @@ def test_a_failed_load_is_recomputed_by_vllm_and_the_tokens_stay_identical(engin
     (overwriting the garbage), and the greedy tokens are the reference's."""
     row = reference["rows"][-1]
     prompt = row["prompt"]
-    generate = greedy(engine.llm)
+    generate = engine.generate
     assert generate(prompt) == row["output"]  # stores whatever is missing (nothing after the first test)
     chunks = (len(prompt) - 1) // CS
     assert chunks >= 3
@@ -219,6 +227,42 @@ def test_a_failed_load_is_recomputed_by_vllm_and_the_tokens_stay_identical(engin
     before = worker.stats()
     assert generate(prompt) == row["output"]
     assert worker.stats()["num_hit_tokens"] - before["num_hit_tokens"] == chunks * CS
+
+
+def _stored_chunks(prompt: list[int], stored: list[list[int]]) -> int:
+    """Full chunks of ``prompt`` that some stored prompt (all its full chunks stored) shares with it."""
+    best = 0
+    for q in stored:
+        n = 0
+        while n < min(len(prompt), len(q)) and prompt[n] == q[n]:
+            n += 1
+        best = max(best, min(n, len(q)) // CS)
+    return best
+
+
+def test_asynchronous_loads_give_the_same_tokens(engine, reference):
+    """load_async: the scheduler answers load_async=True, vLLM parks the request in WAITING_FOR_REMOTE_KVS,
+    the worker's loader thread loads the chunks and get_finished reports the request; same greedy tokens."""
+    generate = engine.generate
+    rows = reference["rows"]
+    stored = []
+    if not engine.worker.stats()["num_stored_tokens"]:  # run alone: the turns store first
+        for row in rows:
+            assert generate(row["prompt"]) == row["output"]
+    stored = [row["prompt"] for row in rows]
+    engine.scheduler.scheduler.load_async = True
+    try:
+        for t, row in enumerate(rows):
+            prompt = row["prompt"]
+            before = engine.worker.stats()
+            output = generate(prompt)
+            delta = {k: v - before[k] for k, v in engine.worker.stats().items()}
+            expected = min(_stored_chunks(prompt, stored), (len(prompt) - 1) // CS) * CS
+            assert expected > 0 and delta["num_hit_tokens"] == expected, (t, delta)
+            assert delta["num_async_loads"] == 1 and delta["num_load_errors"] == 0
+            assert output == row["output"], f"turn {t + 1}: greedy tokens differ with an asynchronous load"
+    finally:
+        engine.scheduler.scheduler.load_async = False
 
 
 def test_chunk_size_must_be_a_multiple_of_the_block_size():
