@@ -190,43 +190,48 @@ def test_multi_turn_reuse_from_the_devices_is_token_identical(engine, reference)
     assert sched["num_lookup_requests"] == len(rows) and sched["num_lookup_errors"] == 0
 
 
-def test_a_failed_load_is_recomputed_by_vllm_and_the_tokens_stay_identical(engine, reference):
+@pytest.mark.parametrize("mode, fail_at", [("sync", 3), ("async", 3), ("async", 1)])
+def test_a_failed_load_is_recomputed_by_vllm_and_the_tokens_stay_identical(engine, reference, monkeypatch, mode,
+                                                                           fail_at):
     """A chunk that fails to load after part of it was copied (fault injected into the worker's block load):
     the chunks before it are used, it and the rest are reported as load errors, vLLM recomputes from there
-    (overwriting the garbage), and the greedy tokens are the reference's."""
+    (overwriting the garbage), and the greedy tokens are the reference's. Asynchronous: the same through
+    get_finished; a load that fails from its first chunk leaves the request to be computed whole."""
+    from host_runtime.hymcache.vllm_connector import HyMCacheWorker
+
     row = reference["rows"][-1]
     prompt = row["prompt"]
     generate = engine.generate
     assert generate(prompt) == row["output"]  # stores whatever is missing (nothing after the first test)
     chunks = (len(prompt) - 1) // CS
     assert chunks >= 3
-    worker = engine.worker.worker
-    real = worker._load_block
+    real = HyMCacheWorker._load_block
     calls = []
 
-    def failing(*args, **kwargs):
+    def failing(self, *args, **kwargs):
         calls.append(args[1])
-        if len(calls) == 3:  # half a chunk copied, then the device goes away: its blocks hold garbage
-            for kv in worker._kv_bytes:
+        if len(calls) == fail_at:  # half a chunk copied, then the device goes away: its blocks hold garbage
+            for kv in self._kv_bytes:
                 for vblock in args[3]:
                     kv[vblock] = np.random.default_rng(len(calls)).integers(0, 256, kv.shape[1], dtype=np.uint8)
             raise ChmError(5, "injected: the device went away mid-load")
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
+    worker = engine.worker.worker
     before = worker.stats()
-    worker._load_block = failing
-    try:
-        output = generate(prompt)
-    finally:
-        worker._load_block = real
+    monkeypatch.setattr(HyMCacheWorker, "_load_block", failing)
+    monkeypatch.setattr(engine.scheduler.scheduler, "load_async", mode == "async")
+    output = generate(prompt)
+    monkeypatch.undo()
     delta = {k: v - before[k] for k, v in worker.stats().items()}
-    assert len(calls) == 3  # the load stops at the failed chunk
-    assert delta["num_load_errors"] == 1 and delta["num_hit_tokens"] == 2 * CS
+    assert len(calls) == fail_at  # the load stops at the failed chunk, and is not tried again
+    assert delta["num_load_errors"] == 1 and delta["num_hit_tokens"] == (fail_at - 1) * CS
+    assert delta["num_async_loads"] == (mode == "async")
     assert output == row["output"], "greedy tokens differ after vLLM recomputed the failed chunks"
-    # the next turn of the same prompt loads everything again (nothing was removed or overwritten)
-    before = worker.stats()
-    assert generate(prompt) == row["output"]
-    assert worker.stats()["num_hit_tokens"] - before["num_hit_tokens"] == chunks * CS
+    if mode == "sync":  # the next turn of the same prompt loads everything again (nothing removed or overwritten)
+        before = worker.stats()
+        assert generate(prompt) == row["output"]
+        assert worker.stats()["num_hit_tokens"] - before["num_hit_tokens"] == chunks * CS
 
 
 def _stored_chunks(prompt: list[int], stored: list[list[int]]) -> int:
