@@ -288,13 +288,15 @@ def _ready_line(role: str, **fields) -> None:
     print(json.dumps({"hymcache": role, "pid": os.getpid(), **fields}), flush=True)
 
 
-def _serve_until_signal(server, cleanup) -> None:
-    """Serve in this (main) thread until SIGINT/SIGTERM; then ``cleanup()``."""
+def _serve_until_signal(server, cleanup, ready) -> None:
+    """Say ``ready()``, serve in this (main) thread until SIGINT/SIGTERM, then ``cleanup()``. The handlers are in
+    place before the ready line: a parent that stops us as soon as it reads it gets a clean stop, not a kill."""
     def stop(signum, frame):
         server.stop()
 
     old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
+        ready()
         server.serve_forever()
     finally:
         for sig, handler in old.items():
@@ -335,11 +337,12 @@ def _master(args) -> int:
     except BaseException:
         master.close()
         raise
-    print(f"chm hymcache master: {server.endpoint}"
-          f"{' (CurveZMQ)' if keys else ''}, state dir {args.state_dir or '(none: in memory)'}"
-          f"{f', metrics {exporter.url}' if exporter else ''}, pid {os.getpid()}; ready", flush=True)
-    _ready_line("master", endpoint=server.endpoint, metrics_port=exporter.port if exporter else 0,
-                state_dir=args.state_dir)
+    def ready():
+        print(f"chm hymcache master: {server.endpoint}"
+              f"{' (CurveZMQ)' if keys else ''}, state dir {args.state_dir or '(none: in memory)'}"
+              f"{f', metrics {exporter.url}' if exporter else ''}, pid {os.getpid()}; ready", flush=True)
+        _ready_line("master", endpoint=server.endpoint, metrics_port=exporter.port if exporter else 0,
+                    state_dir=args.state_dir)
 
     def cleanup():
         master.close()
@@ -347,7 +350,7 @@ def _master(args) -> int:
             exporter.close()
         print("chm hymcache master: stopped", flush=True)
 
-    _serve_until_signal(server, cleanup)
+    _serve_until_signal(server, cleanup, ready)
     return 0
 
 
@@ -394,11 +397,12 @@ def _manager(args) -> int:
             manager.close()
         master.close()
         raise
-    print(f"chm hymcache manager: node {args.node} at {public}{' (CurveZMQ)' if keys else ''}, devices "
-          f"{', '.join(args.devices)}, master {args.master}"
-          f"{f', metrics {exporter.url}' if exporter else ''}, pid {os.getpid()}; ready", flush=True)
-    _ready_line("manager", node=args.node, endpoint=public, devices=list(args.devices),
-                metrics_port=exporter.port if exporter else 0)
+    def ready():
+        print(f"chm hymcache manager: node {args.node} at {public}{' (CurveZMQ)' if keys else ''}, devices "
+              f"{', '.join(args.devices)}, master {args.master}"
+              f"{f', metrics {exporter.url}' if exporter else ''}, pid {os.getpid()}; ready", flush=True)
+        _ready_line("manager", node=args.node, endpoint=public, devices=list(args.devices),
+                    metrics_port=exporter.port if exporter else 0)
 
     def cleanup():
         manager.close()
@@ -407,7 +411,7 @@ def _manager(args) -> int:
             exporter.close()
         print(f"chm hymcache manager {args.node}: stopped", flush=True)
 
-    _serve_until_signal(server, cleanup)
+    _serve_until_signal(server, cleanup, ready)
     return 0
 
 
