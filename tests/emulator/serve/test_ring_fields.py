@@ -271,7 +271,11 @@ def _qp_mapping_start(client_id: int) -> int:
 
 
 def test_the_issue_reproduction(device):
-    """Issue #21: one READ with len 2^64-1, written straight into the ring, ended `chm serve` (OverflowError)."""
+    """Issue #21: one READ with len 2^64-1, written straight into the ring, ended `chm serve` (OverflowError),
+    and a client that had written 16 MiB, acknowledged but not yet flushed, lost the device."""
+    acked = random.Random(2121).randbytes(16 * MiB)
+    acked_at = device.cap // 2 // MiB * MiB
+    assert device.good.write(acked_at, acked) == len(acked)
     bad = RawClient(device.node, staging=STAGING)
     try:
         lo = _qp_mapping_start(bad.hdr.client_id)
@@ -289,5 +293,6 @@ def test_the_issue_reproduction(device):
     finally:
         bad.close()
     device.check()
+    assert device.good.read(acked_at, len(acked)) == acked  # the other client's bytes
     with libchm.Device(device.srv.path, staging_bytes=MiB) as other:  # a new client attaches: no ENODEV
         assert other.write(0, b"after") == 5 and other.read(0, 5) == b"after"
