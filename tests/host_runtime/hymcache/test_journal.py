@@ -205,8 +205,8 @@ def _stored(state, n: int, *args: str) -> set[int]:
     return set(range(n))
 
 
-def test_a_flipped_byte_refuses_the_start_and_deletes_nothing_then_recover_damaged_reports_the_loss(tmp_path):
-    state = tmp_path / "state"
+def test_a_flipped_byte_refuses_the_start_and_deletes_nothing_then_recover_damaged_reports_the_loss(tmpfs):
+    state = tmpfs / "state"
     acked = _stored(state, 200)
     journal = state / "journal-1"
     data = bytearray(journal.read_bytes())
@@ -237,8 +237,8 @@ def test_a_flipped_byte_refuses_the_start_and_deletes_nothing_then_recover_damag
     assert f"damaged files are kept in {aside}" in err
 
 
-def test_a_lost_snapshot_with_a_later_journal_refuses_the_start_and_deletes_nothing(tmp_path):
-    state = tmp_path / "state"
+def test_a_lost_snapshot_with_a_later_journal_refuses_the_start_and_deletes_nothing(tmpfs):
+    state = tmpfs / "state"
     _stored(state, 20)                                      # journal-1; the restart below snapshots generation 2
     m = Proc(state)
     try:
@@ -261,8 +261,8 @@ def test_a_lost_snapshot_with_a_later_journal_refuses_the_start_and_deletes_noth
         m.kill9()
 
 
-def test_a_torn_last_record_is_accepted_and_every_acknowledged_block_served(tmp_path):
-    state = tmp_path / "state"
+def test_a_torn_last_record_is_accepted_and_every_acknowledged_block_served(tmpfs):
+    state = tmpfs / "state"
     acked = _stored(state, 30)
     torn = frame_record(_AllocRec(key(77), 0, 0, 1 << 20, BLOCK, 999))
     with open(state / "journal-1", "ab") as f:
