@@ -8,8 +8,17 @@ Load it with::
                         "kv_connector_extra_config": {"master_endpoint": "tcp://127.0.0.1:PORT",
                                                       "key_dir": "/path/to/keys", "key_name": "worker"}}
 
-(``vllm serve ... --kv-transfer-config '<that JSON>'`` through ``python -m
-host_runtime.hymcache.vllm_launcher``). ``kv_connector_extra_config`` takes the settings of
+or, serving (``chm hymcache up`` prints the Master's endpoint; ``chm hymcache keys add --role worker
+worker`` makes the key)::
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0 python -m host_runtime.hymcache.vllm_launcher \
+        serve build/smollm2-hf --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --dtype float32 \
+        --max-model-len 2048 --enforce-eager --kv-transfer-config '{"kv_connector": "HyMCacheConnector",
+        "kv_connector_module_path": "host_runtime.hymcache.vllm_connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"master_endpoint":
+        "tcp://127.0.0.1:PORT", "key_dir": "KEYS", "key_name": "worker"}}'
+
+(the launcher is ``vllm`` for the CPU wheel, see vllm_launcher.py). ``kv_connector_extra_config`` takes the settings of
 ``connector.HyMCacheConfig`` by the same names: ``master_endpoint``, ``chunk_size``,
 ``blocking_timeout_secs``, ``lookup_timeout_ms``, ``lookup_batch``, ``staging_buffer_size``,
 ``transfer``, ``key_dir`` / ``key_name`` or ``curve_keys``, ``rpc_timeout_s``, ``verify_checksum``,
