@@ -36,26 +36,16 @@ import contextlib
 import json
 import os
 import random
-import re
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TIERS = ("recompute", "prefix", "example", "hymcache-lru", "hymcache")
 VOCAB = (1000, 45000)           # token ids drawn from here: ordinary word pieces of SmolLM2's 49,152
-SERVER_START_S = 600.0
-REQUEST_TIMEOUT_S = 600.0
-COUNTERS = {"local": "vllm:prefix_cache_hits_total", "external": "vllm:external_prefix_cache_hits_total",
-            "prompt": "vllm:prompt_tokens_total"}
 
 
 def conversations(n: int, turns: int, turn_tokens: int, seed: int) -> list[list[list[int]]]:
@@ -63,84 +53,6 @@ def conversations(n: int, turns: int, turn_tokens: int, seed: int) -> list[list[
     rng = random.Random(seed)
     return [[[rng.randrange(*VOCAB) for _ in range(turn_tokens + rng.randrange(64))] for _ in range(turns)]
             for _ in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.read()
-
-
-def counters(base: str) -> dict[str, float]:
-    """vLLM's token counters from /metrics (summed over label sets)."""
-    text = http(f"{base}/metrics").decode()
-    out = {}
-    for name, metric in COUNTERS.items():
-        out[name] = sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$",
-                                                                 text, re.M))
-    return out
-
-
-class VllmServer:
-    """``vllm serve`` (through vllm_launcher) on a free port of 127.0.0.1, until stopped."""
-
-    def __init__(self, model: Path, *, prefix_caching: bool, kv_transfer: dict | None, blocks: int, dtype: str,
-                 log: Path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "host_runtime.hymcache.vllm_launcher", "serve", str(model),
-               "--served-model-name", MODEL_NAME, "--dtype", dtype, "--enforce-eager",
-               "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(self.port),
-               "--num-gpu-blocks-override", str(blocks), "--seed", "0",
-               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-        if kv_transfer:
-            cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
-        self.log = log
-        self._log_file = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     process_group=0)
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with status {self.proc.returncode}; its log: {log}\n"
-                                   + log.read_text(errors="replace")[-3000:])
-            try:
-                http(f"{self.base}/health", timeout=5)
-                return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"vllm serve not healthy within {SERVER_START_S:g} s; its log: {log}")
-            time.sleep(1.0)  # polling a process we do not control: its /health is the only event we get
-
-    def complete(self, prompt: list[int]) -> tuple[int, float]:
-        """One greedy token for ``prompt``: (the token id, seconds from send to answer)."""
-        t0 = time.perf_counter()
-        out = json.loads(http(f"{self.base}/v1/completions",
-                              {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                               "return_token_ids": True}))
-        ttft = time.perf_counter() - t0
-        return out["choices"][0]["token_ids"][0], ttft
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        self._log_file.close()
 
 
 @contextlib.contextmanager
@@ -163,42 +75,40 @@ def tier_backend(tier: str, work: Path):
         auth.make_keys(str(keys), 1)
         auth.add_key(str(keys), "worker", ["worker"])
         policy = "lru" if tier == "hymcache-lru" else "hymcache"
+        from host_runtime.hymcache.vllm_serve import connector_config
+
         hset = HyMCacheSet(nodes=1, devices_per_node=2, media_root=str(work / "media"), curve_keys=str(keys),
                            device_overrides=[f"policy.name={policy}"], verbose=False,
                            tag=f"benchvllm-{os.getpid()}")
         with hset:
-            yield True, {"kv_connector": "HyMCacheConnector",
-                         "kv_connector_module_path": "host_runtime.hymcache.vllm_connector",
-                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"master_endpoint": hset.master_endpoint,
-                                                       "key_dir": str(keys), "key_name": "worker"}}
+            yield True, connector_config(hset.master_endpoint, str(keys), "worker")
 
 
 def run_tier(tier: str, model: Path, convs, blocks: int, dtype: str, work: Path) -> list[dict]:
     """One run of the workload on a fresh server: a row per turn (TTFTs, tokens by tier)."""
+    from host_runtime.hymcache.vllm_serve import COUNTERS, VllmServer
+
     work.mkdir(parents=True)
     with tier_backend(tier, work) as (prefix_caching, kv_transfer):
-        server = VllmServer(model, prefix_caching=prefix_caching, kv_transfer=kv_transfer, blocks=blocks,
-                            dtype=dtype, log=work / "vllm.log")
-        try:
+        with VllmServer(model, prefix_caching=prefix_caching, kv_transfer=kv_transfer, blocks=blocks, dtype=dtype,
+                        log=work / "vllm.log") as server:
+            server.wait_ready()
             history = [[] for _ in convs]
             rows = []
             for t in range(len(convs[0])):
-                before = counters(server.base)
+                before = server.counters()
                 ttfts = []
                 for c, turns in enumerate(convs):
                     history[c] += turns[t]
-                    token, ttft = server.complete(history[c])
-                    history[c].append(token)
+                    tokens, ttft = server.complete(history[c], 1)
+                    history[c] += tokens
                     ttfts.append(ttft)
-                after = counters(server.base)
+                after = server.counters()
                 d = {k: after[k] - before[k] for k in COUNTERS}
                 rows.append({"turn": t + 1, "ttft_s": ttfts, "prompt_tokens": d["prompt"],
                              "local_hit_tokens": d["local"], "external_hit_tokens": d["external"],
                              "recomputed_tokens": d["prompt"] - d["local"] - d["external"]})
             return rows
-        finally:
-            server.stop()
 
 
 def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, list[dict]]:

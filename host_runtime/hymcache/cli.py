@@ -26,12 +26,14 @@ import errno
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from driver.errors import ChmError
 from emulator.serve.cli import parse_override
@@ -142,15 +144,26 @@ def register(sub) -> None:
     s.add_argument("--json", action="store_true", help="print {master: {...}, managers: {node: {...}}} as JSON")
     s.set_defaults(func=_stats)
 
-    c = hs.add_parser("chat", help="SmolLM2 multi-turn demo: later turns reuse earlier turns' KV from the devices",
-                      description="Run multi-turn conversations on SmolLM2-135M through the KV connector and print a "
-                                  "row per turn (prefix, reused and recomputed tokens, loaded bytes, skipped stores, "
-                                  "whether the greedy tokens equal a full recomputation). Without --master, starts a "
-                                  "set of its own (as `up`) and stops it at the end.")
+    c = hs.add_parser("chat", help="SmolLM2 multi-turn chat on vllm serve: later turns load earlier turns' KV "
+                                   "from the devices",
+                      description="Run multi-turn conversations on SmolLM2-135M-Instruct (float32) served by the real "
+                                  "vLLM with HyMCache's KV connector, each turn also on a vLLM without a connector, "
+                                  "and print a row per turn: prompt tokens, those from vLLM's own prefix cache, those "
+                                  "loaded from the devices, recomputed ones, loaded bytes, time to the first token, "
+                                  "whether the greedy tokens equal the reference's. Starts the two vllm serve "
+                                  "processes (or uses --vllm and --reference) and, without --master, a set of its "
+                                  "own (as `up`); stops what it started at the end.")
     c.add_argument("--turns", type=int_at_least(1), default=4, help="turns per conversation (default 4)")
     c.add_argument("--conversations", type=int_at_least(1), default=3, help="conversations (default 3)")
+    c.add_argument("--max-tokens", type=int_at_least(1), default=8, help="greedy tokens per turn (default 8)")
     c.add_argument("--master", metavar="ADDR", help="a running set's Master (default: start one)")
     c.add_argument("--curve-keys", metavar="DIR", help="CurveZMQ key directory of the set")
+    c.add_argument("--key", default="client", metavar="NAME",
+                   help="with --curve-keys: the worker key vLLM's connector calls with (default client)")
+    c.add_argument("--prefix-caching", action="store_true",
+                   help="vLLM's own prefix cache on too (default off: every reused token comes from HyMCache)")
+    c.add_argument("--vllm", metavar="URL", help="a running vllm serve with the HyMCache connector (http://HOST:PORT)")
+    c.add_argument("--reference", metavar="URL", help="with --vllm: a running vllm serve without a connector")
     _set_shape_args(c, " of the set it starts")
     c.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     c.set_defaults(func=_chat)
@@ -776,68 +789,75 @@ CHAT_FIELDS = ("conversation", "turn", "prefix_tokens", "reused_tokens", "recomp
 
 
 def _chat(args) -> int:
-    (chat,) = _need("connector", ("chat",))
+    from .hf_model import ensure_hf_folder
+    from .vllm_serve import VllmServer, chat, connector_config, kv_bytes_per_token
+
     hset = None
     master = args.master
     if args.curve_keys and master is not None and not os.path.isdir(args.curve_keys):
         raise ChmError(errno.ENOENT, f"--curve-keys {args.curve_keys}: no such directory (copy the set's keys here)")
+    if args.vllm and not args.reference:
+        raise UsageError("--vllm needs --reference (a vllm serve of the same model without a connector)")
 
-    def stop(signum, frame):  # SIGTERM as Ctrl-C: the set it started stops in order
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: what it started stops in order
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
     keys = args.curve_keys
-    if master is None:
-        workdir = tempfile.mkdtemp(prefix="chm-hymcache-chat-", dir="/var/tmp")
-        keys = args.curve_keys = args.curve_keys or os.path.join(workdir, "keys")  # its set has keys and roles too
-        _curve(args, args.nodes)  # created here, before the children read them
-        hset = HyMCacheSet(args.nodes, args.devices_per_node, profile=args.profile, curve_keys=keys,
-                           state_dir=os.path.join(workdir, "state"), label="chm hymcache chat", verbose=False)
-        print(f"chm hymcache chat: starting a set ({args.nodes} node(s) x {args.devices_per_node} device(s))",
-              file=sys.stderr, flush=True)
+    workdir = tempfile.mkdtemp(prefix="chm-hymcache-chat-", dir="/var/tmp")
+    servers: list = []
     try:
-        if hset is not None:
-            hset.start()
-            master = hset.master_endpoint
-        result = chat(master=master, turns=args.turns, conversations=args.conversations, curve_keys=keys)
+        model = ensure_hf_folder()
+        if args.vllm:
+            servers = [VllmServer(url=args.vllm), VllmServer(url=args.reference)]
+        else:
+            if master is None:
+                keys = args.curve_keys = args.curve_keys or os.path.join(workdir, "keys")  # keys and roles too
+                _curve(args, args.nodes)  # created here, before the children read them
+                hset = HyMCacheSet(args.nodes, args.devices_per_node, profile=args.profile, curve_keys=keys,
+                                   state_dir=os.path.join(workdir, "state"), label="chm hymcache chat",
+                                   verbose=False)
+                print(f"chm hymcache chat: starting a set ({args.nodes} node(s) x {args.devices_per_node} "
+                      f"device(s))", file=sys.stderr, flush=True)
+                hset.start()
+                master = hset.master_endpoint
+            print("chm hymcache chat: starting vllm serve with HyMCache, and a reference without a connector "
+                  "(about a minute)", file=sys.stderr, flush=True)
+            servers = [VllmServer(model, prefix_caching=args.prefix_caching,
+                                  kv_transfer=connector_config(master, keys, args.key),
+                                  log=Path(workdir) / "vllm-hymcache.log"),
+                       VllmServer(model, prefix_caching=False, log=Path(workdir) / "vllm-reference.log")]
+        for server in servers:
+            server.wait_ready()
+        rows = chat(servers[0], servers[1], args.turns, args.conversations, max_tokens=args.max_tokens,
+                    bytes_per_token=kv_bytes_per_token(model))
     finally:
+        for server in servers:
+            server.stop()
         if hset is not None:
             hset.stop()
-            import shutil
-
-            shutil.rmtree(workdir, ignore_errors=True)
-    rows = [r if isinstance(r, dict) else _as_dict(r) for r in result]
+        shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         print(json.dumps(rows))
-        return 0 if all(r.get("identical", True) for r in rows) else 1
+        return 0 if all(r["identical"] for r in rows) else 1
     cols = [("conv", "conversation", 4), ("turn", "turn", 4), ("prefix", "prefix_tokens", 7),
-            ("reused", "reused_tokens", 7), ("recomputed", "recomputed_tokens", 10),
-            ("loaded", "loaded_bytes", 10), ("skipped", "skipped_stores", 7),
-            ("device ms", "device_ms", 9), ("TTFT ms", "ttft_ms", 8), ("identical", "identical", 9)]
+            ("vLLM hit", "vllm_cached_tokens", 8), ("HyMCache", "reused_tokens", 8),
+            ("recomputed", "recomputed_tokens", 10), ("loaded", "loaded_bytes", 10), ("TTFT ms", "ttft_ms", 8),
+            ("identical", "identical", 9)]
     print("  ".join(f"{h:>{w}}" for h, _, w in cols))
     for r in rows:
         cells = []
         for _, key, w in cols:
-            v = r.get(key, "")
-            if key == "loaded_bytes" and isinstance(v, int):
+            v = r[key]
+            if key == "loaded_bytes":
                 v = cli.format_bytes(v)
             elif isinstance(v, float):
-                v = f"{v:.2f}"
+                v = f"{v:.1f}"
             cells.append(f"{v!s:>{w}}")
         print("  ".join(cells))
-    if not all(r.get("identical", True) for r in rows):
-        raise ChmError(errno.EIO, "greedy tokens differ from full recomputation in some turn (see 'identical')")
+    if not all(r["identical"] for r in rows):
+        raise ChmError(errno.EIO, "greedy tokens differ from vLLM without the connector in some turn (see 'identical')")
     return 0
-
-
-def _as_dict(row) -> dict:
-    import dataclasses
-
-    if dataclasses.is_dataclass(row):
-        return dataclasses.asdict(row)
-    import msgspec
-
-    return msgspec.structs.asdict(row)
 
 
 def main(argv: list[str] | None = None) -> int:
