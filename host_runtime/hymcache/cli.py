@@ -163,7 +163,8 @@ def register(sub) -> None:
     c.add_argument("--prefix-caching", action="store_true",
                    help="vLLM's own prefix cache on too (default off: every reused token comes from HyMCache)")
     c.add_argument("--vllm", metavar="URL", help="a running vllm serve with the HyMCache connector (http://HOST:PORT)")
-    c.add_argument("--reference", metavar="URL", help="with --vllm: a running vllm serve without a connector")
+    c.add_argument("--reference", metavar="URL", help="with --vllm: a running vllm serve of the model without a "
+                                                       "connector, for 'identical' (without it: '-')")
     _set_shape_args(c, " of the set it starts")
     c.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     c.set_defaults(func=_chat)
@@ -796,8 +797,8 @@ def _chat(args) -> int:
     master = args.master
     if args.curve_keys and master is not None and not os.path.isdir(args.curve_keys):
         raise ChmError(errno.ENOENT, f"--curve-keys {args.curve_keys}: no such directory (copy the set's keys here)")
-    if args.vllm and not args.reference:
-        raise UsageError("--vllm needs --reference (a vllm serve of the same model without a connector)")
+    if args.reference and not args.vllm:
+        raise UsageError("--reference goes with --vllm (the server with the connector it is compared with)")
 
     def stop(signum, frame):  # SIGTERM as Ctrl-C: what it started stops in order
         raise KeyboardInterrupt
@@ -809,7 +810,7 @@ def _chat(args) -> int:
     try:
         model = ensure_hf_folder()
         if args.vllm:
-            servers = [VllmServer(url=args.vllm), VllmServer(url=args.reference)]
+            servers = [VllmServer(url=args.vllm)] + ([VllmServer(url=args.reference)] if args.reference else [])
         else:
             if master is None:
                 keys = args.curve_keys = args.curve_keys or os.path.join(workdir, "keys")  # keys and roles too
@@ -829,7 +830,7 @@ def _chat(args) -> int:
                        VllmServer(model, prefix_caching=False, log=Path(workdir) / "vllm-reference.log")]
         for server in servers:
             server.wait_ready()
-        rows = chat(servers[0], servers[1], args.turns, args.conversations, max_tokens=args.max_tokens,
+        rows = chat(servers[0], servers[1] if len(servers) > 1 else None, args.turns, args.conversations, max_tokens=args.max_tokens,
                     bytes_per_token=kv_bytes_per_token(model))
     finally:
         for server in servers:
@@ -839,7 +840,7 @@ def _chat(args) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         print(json.dumps(rows))
-        return 0 if all(r["identical"] for r in rows) else 1
+        return 0 if all(r["identical"] is not False for r in rows) else 1
     cols = [("conv", "conversation", 4), ("turn", "turn", 4), ("prefix", "prefix_tokens", 7),
             ("vLLM hit", "vllm_cached_tokens", 8), ("HyMCache", "reused_tokens", 8),
             ("recomputed", "recomputed_tokens", 10), ("loaded", "loaded_bytes", 10), ("TTFT ms", "ttft_ms", 8),
@@ -851,11 +852,13 @@ def _chat(args) -> int:
             v = r[key]
             if key == "loaded_bytes":
                 v = cli.format_bytes(v)
+            elif v is None:
+                v = "-"
             elif isinstance(v, float):
                 v = f"{v:.1f}"
             cells.append(f"{v!s:>{w}}")
         print("  ".join(cells))
-    if not all(r["identical"] for r in rows):
+    if not all(r["identical"] is not False for r in rows):
         raise ChmError(errno.EIO, "greedy tokens differ from vLLM without the connector in some turn (see 'identical')")
     return 0
 

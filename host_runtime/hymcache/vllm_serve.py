@@ -164,10 +164,10 @@ def user_message(conversation: int, turn: int) -> str:
     return " ".join([f"Here are some notes about {topic}.", *notes, "In one short sentence, what is the story about?"])
 
 
-def chat(server: VllmServer, reference: VllmServer, turns: int, conversations: int, *, max_tokens: int = 8,
+def chat(server: VllmServer, reference: VllmServer | None, turns: int, conversations: int, *, max_tokens: int = 8,
          bytes_per_token: int = 0) -> list[dict]:
     """Multi-turn SmolLM2 conversations, each turn on ``server`` (HyMCache) and ``reference`` (no connector);
-    a row per turn (the keys ``chm hymcache chat`` prints)."""
+    a row per turn (the keys ``chm hymcache chat`` prints; ``identical`` is None without a reference)."""
     from host_runtime.hybridgen.model import SmolLM2
     from host_runtime.hybridgen.tokenizer import Tokenizer
 
@@ -181,12 +181,12 @@ def chat(server: VllmServer, reference: VllmServer, turns: int, conversations: i
             before = server.counters()
             got, ttft = server.complete(prompt, max_tokens)
             after = server.counters()
-            want, _ = reference.complete(prompt, max_tokens)
+            want = reference.complete(prompt, max_tokens)[0] if reference is not None else None
             d = {k: after[k] - before[k] for k in COUNTERS}
             rows.append({"conversation": c + 1, "turn": t, "prefix_tokens": len(prompt),
                          "reused_tokens": int(d["external"]), "vllm_cached_tokens": int(d["local"]),
                          "recomputed_tokens": int(d["prompt"] - d["local"] - d["external"]),
                          "loaded_bytes": int(d["external"]) * bytes_per_token, "ttft_ms": ttft * 1e3,
-                         "identical": got == want})
+                         "identical": None if want is None else got == want})
             prompt = next_turn_prompt(prompt, got, user_message(c, t), tok)
     return rows
