@@ -69,6 +69,7 @@ from __future__ import annotations
 import errno
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -79,10 +80,12 @@ import torch
 from driver.errors import ChmError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.logger import init_logger
 
 from . import connector as hc
 from .engine import ScheduledRequest
+from .metrics import PREFIX as PROM_PREFIX
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -263,6 +266,7 @@ class HyMCacheWorker(hc.HyMCacheConnector):
         self._async_errors: set[int] = set()
         self.num_async_loads = 0
         super().__init__(config, hc.KVConnectorRole.WORKER, **kwargs)
+        self.counters["load_time_ns"] = 0  # wall time of the loads (start to the last chunk or the failure)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._need(hc.KVConnectorRole.WORKER, "register_kv_caches")
@@ -321,6 +325,13 @@ class HyMCacheWorker(hc.HyMCacheConnector):
             self._pending.remove(p)  # recomputed from the failed chunk: this step's KV of it is not to keep
             self._skip(p, p.keys, self.figures.setdefault(p.request_id, hc.TurnFigures()),
                        ChmError(errno.EIO, "its load failed; vLLM recomputes it"))
+
+    def _load(self, rid: str, spec: hc.LoadSpec) -> None:
+        start = time.monotonic_ns()
+        try:
+            super()._load(rid, spec)
+        finally:
+            self.counters["load_time_ns"] += time.monotonic_ns() - start
 
     def _load_in_background(self, rid: str, spec: hc.LoadSpec) -> None:
         """Queue an asynchronous load for the loader thread (started on the first one). The loader is a worker
@@ -396,6 +407,93 @@ def _index_after(keys: list[bytes], loaded: list[bytes]) -> int:
         return 0
 
 
+# ---- statistics through vLLM's own mechanisms ------------------------------------------------
+# Each role's counters (connector.COUNTERS and this layer's) go to vLLM as increments: the worker's in
+# the model runner's output of every step (get_kv_connector_stats), the scheduler's added to them by
+# vLLM's scheduler, both in SchedulerStats.kv_connector_stats to the front end, where vLLM's logger
+# (build_kv_connector_stats -> aggregate -> reduce, the "KV Transfer metrics:" line) and `vllm serve`'s
+# Prometheus logger (build_prom_metrics -> observe) read them. On /metrics, beside vLLM's own, with
+# vLLM's labels (model_name, engine); names as host_runtime/hymcache/metrics.py gives the Master's and
+# the Managers' where they match (prometheus-client adds _total to a counter):
+#   (metric, stats key, scale, help)
+PROM_COUNTERS: tuple[tuple[str, str, float, str], ...] = (
+    ("num_lookup_requests", "num_lookup_requests", 1, "Requests looked up in the Master (scheduler side)"),
+    ("num_lookup_tokens", "num_lookup_tokens", 1, "Prompt tokens (full chunks) asked for in lookups"),
+    ("num_lookup_hits", "num_lookup_hits", 1, "Tokens the lookups found loadable (stored prefix)"),
+    ("num_lookup_errors", "num_lookup_errors", 1, "Lookups failed or past lookup_timeout_ms (recomputed)"),
+    ("num_retrieve_requests", "num_retrieve_requests", 1, "Loads started (one per request and step)"),
+    ("num_hit_tokens", "num_hit_tokens", 1, "Tokens loaded from the devices into vLLM's KV cache"),
+    ("num_loaded_blocks", "num_loaded_blocks", 1, "Chunks loaded from the devices"),
+    ("loaded_bytes", "loaded_bytes", 1, "Bytes loaded from the devices"),
+    ("num_load_errors", "num_load_errors", 1, "Loads that failed at a chunk (it and the rest recomputed)"),
+    ("num_timeouts_recompute", "num_timeouts_recompute", 1, "Loads past blocking_timeout_secs (recomputed)"),
+    ("num_async_loads", "num_async_loads", 1, "Loads run in the background (load_async)"),
+    ("load_time_seconds", "load_time_ns", 1e-9, "Wall time of the loads"),
+    ("device_time_seconds", "device_time_ns", 1e-9, "Modelled device time of the loads and stores"),
+    ("num_store_requests", "num_store_requests", 1, "Stores started (put_start calls)"),
+    ("num_stored_tokens", "num_stored_tokens", 1, "Tokens stored on the devices (full chunks)"),
+    ("num_stored_blocks", "num_stored_blocks", 1, "Chunks stored on the devices"),
+    ("stored_bytes", "stored_bytes", 1, "Bytes stored on the devices"),
+    ("num_skipped_stores", "num_skipped_stores", 1, "Chunks not stored (write buffer full, no room, a failed "
+                                                    "load); offered again next turn"),
+    ("num_store_errors", "num_store_errors", 1, "Stores that failed (put_start, put_end or a device write)"),
+)
+STAT_KEYS = tuple(dict.fromkeys((*hc.COUNTERS, "num_async_loads", "load_time_ns")))
+
+
+@dataclass
+class HyMCacheConnectorStats(KVConnectorStats):
+    """HyMCache's counters over an interval: ``data`` maps a stats key (connector.COUNTERS, ``num_async_loads``,
+    ``load_time_ns``, ``num_loaded_blocks``, ``num_stored_blocks``) to its increment; plain ints, so it
+    crosses vLLM's process boundaries as is."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "HyMCacheConnectorStats":
+        for key, value in (other.data if other is not None else {}).items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: value for key, value in self.data.items() if value}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class HyMCachePromMetrics(KVConnectorPromMetrics):
+    """``hymcache:<name>`` counters (PROM_COUNTERS) per engine, fed from HyMCacheConnectorStats' data."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, tuple[float, dict]] = {}
+        for name, key, scale, doc in PROM_COUNTERS:
+            _unregister(f"{PROM_PREFIX}{name}")
+            counter = self._counter_cls(name=f"{PROM_PREFIX}{name}", documentation=f"HyMCache: {doc}",
+                                        labelnames=labelnames)
+            self.counters[key] = (scale, {i: counter.labels(*v) for i, v in per_engine_labelvalues.items()})
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in (transfer_stats_data or {}).items():
+            entry = self.counters.get(key)
+            if entry is not None and value > 0 and engine_idx in entry[1]:
+                entry[1][engine_idx].inc(value * entry[0])
+
+
+def _unregister(name: str) -> None:
+    """A second Prometheus logger in one process (vLLM unregisters only its own vllm: metrics) would find the
+    names taken: drop ours from the default registry first."""
+    from prometheus_client import REGISTRY
+
+    collector = getattr(REGISTRY, "_names_to_collectors", {}).get(name)
+    if collector is not None:
+        try:
+            REGISTRY.unregister(collector)
+        except KeyError:
+            pass
+
+
 class HyMCacheConnector(KVConnectorBase_V1):
     """vLLM's KV connector: the facade over ``HyMCacheScheduler`` or ``HyMCacheWorker`` by role."""
 
@@ -421,6 +519,7 @@ class HyMCacheConnector(KVConnectorBase_V1):
             logger.warning("kv_load_failure_policy is %r: a HyMCache load that fails (a device gone, a checksum "
                            "mismatch) fails its request; with \"kv_load_failure_policy\": \"recompute\" in the "
                            "kv-transfer-config vLLM recomputes the chunks instead", policy)
+        self._reported: dict[str, int] = {}   # counters as get_kv_connector_stats last reported them
         LIVE.add(self)
         logger.info("HyMCache connector (%s): Master %s, chunk_size %d, kv_dtype %s, model %s", role.name,
                     self.config.master_endpoint, self.config.chunk_size, self.config.kv_dtype, self.config.model_name)
@@ -432,6 +531,30 @@ class HyMCacheConnector(KVConnectorBase_V1):
     def stats(self) -> dict:
         """This role's counters (connector.COUNTERS)."""
         return self.part.stats()
+
+    # ---- statistics (both roles) -------------------------------------------------
+    def get_kv_connector_stats(self) -> HyMCacheConnectorStats | None:
+        """This role's counters' increments since the last call (None when nothing moved); vLLM calls it every
+        step, on the worker in the model runner, on the scheduler in update_from_output."""
+        now = self.part.stats()
+        delta = {k: now.get(k, 0) - self._reported.get(k, 0) for k in STAT_KEYS}
+        delta = {k: v for k, v in delta.items() if v}
+        if not delta:
+            return None
+        self._reported = {k: now.get(k, 0) for k in STAT_KEYS}
+        cs = self.config.chunk_size
+        for tokens, blocks in (("num_hit_tokens", "num_loaded_blocks"), ("num_stored_tokens", "num_stored_blocks")):
+            if tokens in delta:
+                delta[blocks] = delta[tokens] // cs
+        return HyMCacheConnectorStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HyMCacheConnectorStats:
+        return HyMCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> HyMCachePromMetrics:
+        return HyMCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker side -------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
