@@ -12,7 +12,10 @@ It mirrors vLLM v1 where the KV connector can see it, and nowhere else:
   the scheduler's update), with vLLM's ``recompute`` answer to load errors: the request's computed
   tokens go back to the first failed block and everything from there is computed again.
 
-With no connector it is the reference engine. vLLM is not imported (it cannot be installed here);
+With no connector it is the reference engine. Where it earns its place: a fast, in-process fixture for
+the connector core's unit tests (tests/host_runtime/hymcache/test_connector.py, test_engine.py, the
+faults), which need no vLLM engine (about 40 s to build, 5 GiB). Nothing a user runs depends on it: the
+real engine is vLLM (``vllm_connector.py``, ``chm hymcache chat``). vLLM is not imported here;
 ``Request``, ``KVCacheBlocks``, ``SchedulerOutput`` and ``ForwardContext`` are stand-ins with the
 fields a connector reads.
 """
