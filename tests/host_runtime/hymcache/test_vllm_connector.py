@@ -103,6 +103,8 @@ def reference_main(model: str, turns: int, out: str) -> None:
 
 
 TURNS = 3
+# The engine's timeouts, small: a fault costs at most this much (a lookup, one RPC, a load)
+BLOCKING_TIMEOUT_S, LOOKUP_TIMEOUT_MS, RPC_TIMEOUT_S = 5.0, 1500.0, 3.0
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +141,8 @@ def engine(model_dir, reference, hymcache):
 
     hset, keys = hymcache
     extra = {"master_endpoint": hset.master_endpoint, "key_dir": keys, "key_name": "worker",
-             "staging_buffer_size": 0.1, "blocking_timeout_secs": 20.0, "lookup_timeout_ms": 10000.0}
+             "staging_buffer_size": 0.1, "blocking_timeout_secs": BLOCKING_TIMEOUT_S,
+             "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, "rpc_timeout_s": RPC_TIMEOUT_S}
     ktc = KVTransferConfig(kv_connector="HyMCacheConnector", kv_connector_module_path="host_runtime.hymcache.vllm_connector",
                            kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
     start = time.monotonic()
@@ -158,6 +161,141 @@ def engine(model_dir, reference, hymcache):
     yield SimpleNamespace(llm=llm, scheduler=roles["SCHEDULER"], worker=worker, build_s=build_s, generate=scrubbed)
     for c in roles.values():
         c.shutdown()
+
+
+# ---- `vllm serve` through the launcher: HTTP, /metrics, and a second server that reuses the first's KV ----
+SERVE_READY_S = 300.0
+
+
+class Server:
+    """``python -m host_runtime.hymcache.vllm_launcher serve ...`` on a free port (engine core a process of its
+    own, as vLLM serves by default), its output in a file."""
+
+    def __init__(self, model_dir: Path, extra: dict, log: Path):
+        from tests.host_runtime.hymcache.procs import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        ktc = {"kv_connector": "HyMCacheConnector", "kv_connector_module_path": "host_runtime.hymcache.vllm_connector",
+               "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        cmd = [sys.executable, "-m", "host_runtime.hymcache.vllm_launcher", "serve", str(model_dir),
+               "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+               "--no-enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
+               "--kv-transfer-config", json.dumps(ktc)]
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+        self.log = log
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + SERVE_READY_S
+        while True:  # bounded wait for /health to answer 200 (or the server to exit)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if self._get("/health", 2.0)[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"vllm serve not ready within {SERVE_READY_S:g} s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self, n: int = 6000) -> str:
+        self._out.flush()
+        return self.log.read_bytes()[-n:].decode(errors="replace")
+
+    def _get(self, path: str, timeout: float) -> tuple[int, str]:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.status, r.read().decode()
+
+    def complete(self, prompt: list[int]) -> list[int]:
+        """/v1/completions with a token-id prompt, greedy; the generated token ids."""
+        import urllib.request
+
+        body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                           "return_token_ids": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics: each hymcache: sample (labels dropped, one engine) -> value."""
+        out = {}
+        for line in self._get("/metrics", 10.0)[1].splitlines():
+            if line.startswith("hymcache:"):
+                name, value = line.rsplit(" ", 1)
+                out[name.split("{", 1)[0]] = out.get(name.split("{", 1)[0], 0.0) + float(value)
+        return out
+
+    def wait_metrics(self, want: dict[str, float], timeout: float = 30.0) -> dict[str, float]:
+        """/metrics once every counter in ``want`` has reached its value (the front end records a step's
+        stats after it answered), bounded; the last scrape either way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.metrics()
+            if all(got.get(f"hymcache:{k}_total", 0.0) >= v for k, v in want.items()) or time.monotonic() > deadline:
+                return got
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+
+
+def test_vllm_serve_exports_hymcache_counters_and_a_second_server_reuses_the_first_ones_kv(model_dir, reference,
+                                                                                          hymcache, tmp_path):
+    """`vllm serve` (through the launcher) with the connector, prefix caching off, token-id prompts over HTTP:
+    /metrics carries HyMCache's counters beside vLLM's (turn 1 stores its full chunks, turn 2 loads them, the
+    counters say exactly that); the server exits; a second one (a new process, nothing of the first left)
+    loads turn 2's stored chunks from the devices for turn 3. Every turn's greedy tokens are the reference's."""
+    hset, keys = hymcache
+    rows = reference["rows"]
+    extra = {"master_endpoint": hset.master_endpoint, "key_dir": keys, "key_name": "worker",
+             "staging_buffer_size": 0.1, "blocking_timeout_secs": 20.0, "lookup_timeout_ms": 10000.0,
+             "model_name": f"serve-test-{os.getpid()}"}  # a key space of its own on the module's devices
+    p1, p2, p3 = (row["prompt"] for row in rows)
+    full = [len(p) // CS * CS for p in (p1, p2, p3)]
+    hit2, hit3 = min(len(p1) // CS, (len(p2) - 1) // CS) * CS, min(len(p2) // CS, (len(p3) - 1) // CS) * CS
+    first = Server(model_dir, extra, tmp_path / "serve1.log")
+    try:
+        assert "vllm:" in first._get("/metrics", 10.0)[1]  # vLLM's own metrics are there too
+        assert first.complete(p1) == rows[0]["output"]
+        m = first.wait_metrics({"num_stored_tokens": full[0]})
+        assert m.get("hymcache:num_stored_tokens_total") == full[0], (m, first.tail())
+        assert m.get("hymcache:num_stored_blocks_total") == full[0] // CS
+        assert m.get("hymcache:num_lookup_requests_total") == 1 and not m.get("hymcache:num_hit_tokens_total")
+        assert m.get("hymcache:stored_bytes_total", 0) > 0
+        assert first.complete(p2) == rows[1]["output"]
+        m = first.wait_metrics({"num_stored_tokens": full[1], "num_hit_tokens": hit2})
+        print("\nserver 1 /metrics:", {k: v for k, v in sorted(m.items()) if v})
+        assert m.get("hymcache:num_hit_tokens_total") == hit2 >= 256  # turn 1's full chunks, from the devices
+        assert m.get("hymcache:num_loaded_blocks_total") == hit2 // CS
+        assert m.get("hymcache:loaded_bytes_total", 0) > 0 and m.get("hymcache:load_time_seconds_total", 0) > 0
+        assert m.get("hymcache:num_stored_tokens_total") == full[1]  # turn 1's, then the rest of turn 2's
+        assert m.get("hymcache:num_lookup_requests_total") == 2 and m.get("hymcache:num_lookup_hits_total") == hit2
+        assert not m.get("hymcache:num_load_errors_total") and not m.get("hymcache:num_skipped_stores_total")
+    finally:
+        first.stop()
+    assert first.proc.returncode is not None
+    second = Server(model_dir, extra, tmp_path / "serve2.log")
+    try:
+        assert second.complete(p3) == rows[2]["output"]
+        m = second.wait_metrics({"num_hit_tokens": hit3})
+        print("server 2 /metrics:", {k: v for k, v in sorted(m.items()) if v})
+        assert m.get("hymcache:num_hit_tokens_total") == hit3 >= 512  # what the first server stored
+        assert m.get("hymcache:num_stored_tokens_total") == full[2] - hit3
+        assert not m.get("hymcache:num_load_errors_total")
+    finally:
+        second.stop()
 
 
 def test_multi_turn_reuse_from_the_devices_is_token_identical(engine, reference):
@@ -343,6 +481,206 @@ def test_a_chunk_of_two_vllm_blocks_round_trips_whole_tiles(dtype):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+# ---- faults, on the module's engine (last in the module: the module's set is left with a device restarted) ----
+# A device write buffer of 8 MiB (one chunk of SmolLM2 in float32, 5.9 MB, fits; two do not) that the device
+# flushes only when it is full (one batch is all of it, no age limit): a store refused within a turn stays
+# refused, and the test drains the buffer (a flush through libchm) between turns.
+TINY_WRITE_BUFFER = ["policy.write_buffer_fraction=0.03125", "policy.flush_batch_bytes=8388608",
+                     "policy.flush_max_delay_ns=1e15"]
+
+
+@pytest.fixture(scope="module")
+def tiny_buffer_set(hymcache, tmp_path_factory):
+    """A second set (its own Master, a KV Manager and one device with TINY_WRITE_BUFFER), same keys."""
+    _, keys = hymcache
+    hset = HyMCacheSet(nodes=1, devices_per_node=1, media_root=str(tmp_path_factory.mktemp("media-wb")),
+                       curve_keys=keys, verbose=False, tag=f"vllmwb-{os.getpid()}", device_overrides=TINY_WRITE_BUFFER)
+    with hset:
+        yield hset, keys
+
+
+def _timed(monkeypatch, cls, name: str) -> list[float]:
+    """Wrap ``cls.name``: the wall time of each call, in a list the caller reads."""
+    real, took = getattr(cls, name), []
+
+    def wrapper(self, *args, **kwargs):
+        start = time.monotonic()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            took.append(time.monotonic() - start)
+    monkeypatch.setattr(cls, name, wrapper)
+    return took
+
+
+HANG_S = 120.0  # a turn that takes longer hangs (a loaded 2-core machine computes a turn in ~1-15 s)
+
+
+def _switch(engine, monkeypatch, hset, keys, **settings):
+    """Point the engine's connector at another set: new scheduler and worker halves (the facade's), the worker on
+    the same KV tensors; monkeypatch puts the old ones back. Between requests only (no state in flight)."""
+    from host_runtime.hymcache.connector import HyMCacheConfig
+    from host_runtime.hymcache.vllm_connector import HyMCacheScheduler, HyMCacheWorker
+
+    old = engine.worker.worker
+    values = {f: getattr(old.config, f) for f in HyMCacheConfig.__dataclass_fields__}
+    values.update(master_endpoint=hset.master_endpoint, key_dir=keys, **settings)
+    cfg = HyMCacheConfig.from_dict(values)
+    sched = HyMCacheScheduler(cfg, old.vllm_block_size, log=old.log)
+    worker = HyMCacheWorker(cfg, old.vllm_block_size, old.head_size, log=old.log)
+    worker.register_kv_caches(dict(zip(old.layer_index, old.kv_caches)))
+    monkeypatch.setattr(engine.scheduler, "scheduler", sched)
+    monkeypatch.setattr(engine.worker, "worker", worker)
+    return sched, worker
+
+
+def test_a_full_write_buffer_skips_stores_counts_them_and_they_are_offered_again(engine, reference,
+                                                                                 tiny_buffer_set, monkeypatch):
+    """The device refuses writes (EAGAIN: write buffer full): the chunks are skipped at once (never waited on,
+    never retried in the step) and counted; the next turn loads what was stored and offers the skipped chunks
+    again. Greedy tokens are the reference's every turn."""
+    import libchm
+
+    hset, keys = tiny_buffer_set
+    row = reference["rows"][-1]
+    prompt = row["prompt"]
+    full = len(prompt) // CS
+    assert full >= 4
+    sched, worker = _switch(engine, monkeypatch, hset, keys, model_name=f"wb-test-{os.getpid()}")
+    try:
+        def turn():
+            before = worker.stats()
+            start = time.monotonic()
+            assert engine.generate(prompt) == row["output"], "greedy tokens differ with stores refused"
+            return {k: v - before[k] for k, v in worker.stats().items()}, time.monotonic() - start
+
+        def drain():  # the write buffer empties between turns (here on demand, not by the device's timing)
+            with libchm.Device(hset.describe()["devices"][0]["path"]) as dev:
+                dev.flush()
+
+        d1, s1 = turn()
+        # one chunk fits the 8 MiB write buffer; the rest are refused at once: skipped, counted
+        assert d1["num_stored_tokens"] == CS and d1["num_skipped_stores"] == full - 1, d1
+        assert d1["num_hit_tokens"] == 0 and d1["num_store_errors"] == 0
+        drain()
+        d2, s2 = turn()
+        # the stored chunk is loaded; the first skipped one is offered again and stored (one fits again)
+        assert d2["num_hit_tokens"] == CS and d2["num_stored_tokens"] == CS, d2
+        assert d2["num_skipped_stores"] == full - 2
+        drain()
+        d3, _ = turn()
+        assert d3["num_hit_tokens"] == 2 * CS and d3["num_stored_tokens"] == CS, d3
+        print(f"\nwrite buffer full: turn 1 {s1:.2f} s, turn 2 {s2:.2f} s")
+    finally:
+        monkeypatch.undo()
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_the_master_stopped_means_lookups_time_out_and_requests_recompute(engine, reference, hymcache, monkeypatch):
+    """SIGSTOP of the Master: the request's lookup is never answered; within lookup_timeout_ms the scheduler
+    counts a lookup error and vLLM computes the whole prompt (tokens identical); the store's put_start fails
+    after rpc_timeout_s and its chunks are skipped. Nothing waits longer. Once the Master runs again, the
+    same prompt loads from the devices again."""
+    import signal
+
+    from host_runtime.hymcache.vllm_connector import HyMCacheScheduler, HyMCacheWorker
+
+    hset, _ = hymcache
+    row = reference["rows"][-1]
+    prompt = row["prompt"]
+    generate = engine.generate
+    assert generate(prompt) == row["output"]  # stored (nothing new after the earlier tests)
+    chunks = (len(prompt) - 1) // CS
+    sched, worker = engine.scheduler.scheduler, engine.worker.worker
+    asked, failed = [], []
+    real_ask, real_failed = HyMCacheScheduler.get_num_new_matched_tokens, HyMCacheScheduler._lookup_failed
+
+    def ask(self, request, num_computed_tokens):
+        asked.append(time.monotonic())
+        return real_ask(self, request, num_computed_tokens)
+
+    def lookup_failed(self, rid, st, exc):
+        failed.append((time.monotonic(), exc))
+        return real_failed(self, rid, st, exc)
+
+    monkeypatch.setattr(HyMCacheScheduler, "get_num_new_matched_tokens", ask)
+    monkeypatch.setattr(HyMCacheScheduler, "_lookup_failed", lookup_failed)
+    binds = _timed(monkeypatch, HyMCacheWorker, "bind_connector_metadata")  # where the step's put_starts go
+    sb, wb = sched.stats(), worker.stats()
+    os.kill(hset.master.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        output = generate(prompt)
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(hset.master.proc.pid, signal.SIGCONT)
+    monkeypatch.undo()
+    sd = {k: v - sb[k] for k, v in sched.stats().items()}
+    wd = {k: v - wb[k] for k, v in worker.stats().items()}
+    print(f"\nMaster stopped: the turn took {elapsed:.2f} s; lookup failed after "
+          f"{failed[0][0] - asked[0]:.2f} s ({failed[0][1]}); put_start step {max(binds):.2f} s")
+    assert output == row["output"], "greedy tokens differ after a lookup timed out"
+    assert sd["num_lookup_errors"] == 1 and sd["num_lookup_hits"] == 0 and len(failed) == 1
+    lookup_s = LOOKUP_TIMEOUT_MS / 1000
+    assert lookup_s <= failed[0][0] - asked[0] < lookup_s + 1.0  # at lookup_timeout_ms (before the RPC timeout)
+    assert wd["num_hit_tokens"] == 0 and wd["num_retrieve_requests"] == 0  # recomputed, nothing loaded
+    assert wd["num_skipped_stores"] == len(prompt) // CS and wd["num_stored_tokens"] == 0  # put_start timed out
+    assert max(binds) < RPC_TIMEOUT_S + 2.0 and elapsed < HANG_S  # the put_start waited rpc_timeout_s, no more
+    before = worker.stats()  # the Master runs again: the same prompt loads from the devices
+    assert generate(prompt) == row["output"]
+    assert worker.stats()["num_hit_tokens"] - before["num_hit_tokens"] == chunks * CS
+
+
+def test_a_device_killed_mid_load_means_load_errors_then_recomputation(engine, reference, hymcache, monkeypatch):
+    """kill -9 of the device that holds a prompt's chunks after the first chunk of the load arrived: the next
+    chunk fails (a load error, within blocking_timeout_secs), the first is kept, vLLM recomputes from the failed
+    one, the request's stores of the step are dropped, and the greedy tokens are the reference's. The device is
+    restarted afterwards (its blocks are from before the restart: stale)."""
+    from host_runtime.hymcache.vllm_connector import HyMCacheWorker
+
+    hset, _ = hymcache
+    row = reference["rows"][-1]
+    prompt = row["prompt"]
+    generate = engine.generate
+    assert generate(prompt) == row["output"]  # stored
+    real = HyMCacheWorker._load_block
+    calls, victims = [], []
+
+    def killing(self, *args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:  # chunk 1 loaded; its device dies before chunk 2 is read
+            loc = args[2]
+            victim = hset.devices[loc.node * hset.devices_per_node + loc.device]
+            victim.proc.kill()  # kill -9
+            victim.proc.wait(timeout=30)
+            victims.append(victim)
+        return real(self, *args, **kwargs)
+
+    worker = engine.worker.worker
+    before = worker.stats()
+    monkeypatch.setattr(HyMCacheWorker, "_load_block", killing)
+    loads = _timed(monkeypatch, HyMCacheWorker, "start_load_kv")
+    try:
+        start = time.monotonic()
+        output = generate(prompt)
+        elapsed = time.monotonic() - start
+    finally:
+        monkeypatch.undo()
+    delta = {k: v - before[k] for k, v in worker.stats().items()}
+    print(f"\ndevice killed mid-load: the turn took {elapsed:.2f} s, the load {max(loads):.2f} s; "
+          f"{delta['num_load_errors']} load error(s), {delta['num_hit_tokens']} tokens loaded")
+    try:
+        assert len(victims) == 1 and victims[0].proc.returncode == -9
+        assert len(calls) == 2  # the load stops at the failed chunk
+        assert delta["num_load_errors"] == 1 and delta["num_hit_tokens"] == CS
+        assert delta["num_stored_tokens"] == 0  # this step's KV of the request is not stored
+        assert output == row["output"], "greedy tokens differ after the device died mid-load"
+        assert max(loads) < BLOCKING_TIMEOUT_S + 2.0 and elapsed < HANG_S  # the load gave up in time
+    finally:
+        hset.restart(victims[0]) if victims else None
 
 
 if __name__ == "__main__":  # the reference process: MODEL_DIR TURNS OUT.json
