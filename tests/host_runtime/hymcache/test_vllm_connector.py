@@ -408,6 +408,65 @@ def test_asynchronous_loads_give_the_same_tokens(engine, reference):
         engine.scheduler.scheduler.load_async = False
 
 
+def test_an_asynchronous_load_in_flight_lets_another_requests_steps_run(engine, reference, monkeypatch):
+    """Two requests at once: A (a stored prompt, load_async) is parked in WAITING_FOR_REMOTE_KVS while its load
+    runs on the loader thread; B (shorter than a chunk: nothing to look up) is scheduled meanwhile. The load is
+    held until the scheduler has built three steps in which B ran (an event, not a sleep), so those steps
+    provably completed while A's load was in flight; then it loads. Both get their tokens: A the reference's,
+    B what it gets alone. (The asynchronous test above runs one request at a time, so it shows the asynchronous
+    path gives the same tokens, not that other requests' steps go on during a load.)"""
+    import threading
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from host_runtime.hymcache.vllm_connector import HyMCacheScheduler, HyMCacheWorker
+
+    row = reference["rows"][-1]
+    a_prompt, b_prompt = row["prompt"], reference["rows"][0]["prompt"][:CS - 8]
+    generate = engine.generate
+    assert generate(a_prompt) == row["output"]  # stored (nothing new after the earlier tests)
+    b_alone = generate(b_prompt)
+    async_rids, b_steps, released = set(), [], threading.Event()
+    real_meta, real_load = HyMCacheScheduler.build_connector_meta, HyMCacheWorker._load
+
+    def build_connector_meta(self, scheduler_output):
+        meta = real_meta(self, scheduler_output)
+        async_rids.update(meta.async_loads)
+        if async_rids and not released.is_set():
+            others = [r for r, n in scheduler_output.num_scheduled_tokens.items() if n and r not in async_rids]
+            if others:
+                b_steps.append(others)
+                if len(b_steps) >= 3:
+                    released.set()
+        return meta
+
+    held = []
+
+    def load(self, rid, spec):
+        if threading.current_thread().name == "hymcache-loader":
+            held.append(released.wait(timeout=30))  # in flight until B has run three steps
+        return real_load(self, rid, spec)
+
+    monkeypatch.setattr(HyMCacheScheduler, "build_connector_meta", build_connector_meta)
+    monkeypatch.setattr(HyMCacheWorker, "_load", load)
+    monkeypatch.setattr(engine.scheduler.scheduler, "load_async", True)
+    before = engine.worker.stats()
+    for kv in engine.worker.worker.kv_caches:
+        kv.zero_()
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=a_prompt), TokensPrompt(prompt_token_ids=b_prompt)],
+                               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    monkeypatch.undo()
+    delta = {k: v - before[k] for k, v in engine.worker.stats().items()}
+    a_out, b_out = (list(o.outputs[0].token_ids) for o in outs)
+    print(f"\nasynchronous load held while B ran {len(b_steps)} steps; loaded {delta['num_hit_tokens']} tokens")
+    assert held == [True] and len(async_rids) == 1 and len(b_steps) == 3  # B's steps ran during A's load
+    assert delta["num_async_loads"] == 1 and delta["num_load_errors"] == 0
+    assert delta["num_hit_tokens"] == (len(a_prompt) - 1) // CS * CS
+    assert a_out == row["output"], "A's greedy tokens differ after its asynchronous load"
+    assert b_out == b_alone, "B's greedy tokens differ when it ran beside A's load"
+
+
 def test_chunk_size_must_be_a_multiple_of_the_block_size():
     cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=128, cache_dtype="auto"),
                           model_config=SimpleNamespace(dtype="torch.float32", model="m", served_model_name=None))
@@ -620,6 +679,7 @@ def test_the_master_stopped_means_lookups_time_out_and_requests_recompute(engine
     monkeypatch.undo()
     sd = {k: v - sb[k] for k, v in sched.stats().items()}
     wd = {k: v - wb[k] for k, v in worker.stats().items()}
+    assert len(failed) == 1, "the lookup never failed in the scheduler (no lookup_timeout_ms)"
     print(f"\nMaster stopped: the turn took {elapsed:.2f} s; lookup failed after "
           f"{failed[0][0] - asked[0]:.2f} s ({failed[0][1]}); put_start step {max(binds):.2f} s")
     assert output == row["output"], "greedy tokens differ after a lookup timed out"
