@@ -7,7 +7,7 @@ APT_PACKAGES := liburing-dev fio iverilog pkg-config
 STAMP := $(VENV)/.installed
 MODEL := build/smollm2-hf/config.json
 
-.PHONY: all setup test demo bench clean help libchm native install rtl-test repro
+.PHONY: all setup test demo bench clean help libchm native install rtl-test repro repro-vllm
 
 all: setup
 
@@ -17,6 +17,7 @@ help:
 	@echo "make rtl-test - only the RTL benches (cocotb + Icarus; SIM=verilator for Verilator)"
 	@echo "make bench  - benchmarks, side by side with their physical limits / peers"
 	@echo "make repro  - reproduce the HyMCache device results by trace replay (paper scale, a few minutes)"
+	@echo "make repro-vllm - the multi-turn chat on the real vllm serve, tier by tier (Fig. 13's shape; ~40 min)"
 
 # Debian packages, only when one is missing (apt-get update at most once).
 .apt-stamp:
@@ -81,6 +82,10 @@ bench: setup
 # subset; the simulation presets are sim13, sim10, sim12, sim11, sim14, sim15 (chm hymcache simulate --figure N).
 repro: setup
 	$(PY) -m bench.repro_hymcache $(REPRO)
+
+# bench_vllm at its full size: 8 conversations x 6 turns, 5 tiers, 3 interleaved runs (bench/results/vllm/).
+repro-vllm: setup
+	$(PY) -m bench.bench_vllm
 
 clean:
 	rm -rf $(VENV) .apt-stamp emulator/_uring* emulator/_chm_core_* build *.egg-info driver/_wire* emulator/serve/_srv* libchm/_chm* libchm/build
