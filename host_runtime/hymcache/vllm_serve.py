@@ -50,9 +50,10 @@ def _http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def connector_config(master: str, key_dir: str | None, key_name: str = "worker", **extra) -> dict:
-    """The ``--kv-transfer-config`` of HyMCache's connector against the Master at ``master``."""
-    cfg = {"master_endpoint": master, **extra}
+def connector_config(master_endpoint: str, key_dir: str | None = None, key_name: str = "worker", **extra) -> dict:
+    """The ``--kv-transfer-config`` of HyMCache's connector against the Master at ``master_endpoint`` (``extra``:
+    more of its ``kv_connector_extra_config``)."""
+    cfg = {"master_endpoint": master_endpoint, **extra}
     if key_dir:
         cfg.update(key_dir=key_dir, key_name=key_name)
     return {"kv_connector": "HyMCacheConnector", "kv_connector_module_path": "host_runtime.hymcache.vllm_connector",
@@ -64,7 +65,7 @@ class VllmServer:
 
     def __init__(self, model: Path | str | None = None, *, url: str | None = None, prefix_caching: bool = True,
                  kv_transfer: dict | None = None, dtype: str = "float32", blocks: int | None = None,
-                 max_model_len: int = 4096, log: Path | None = None, extra_args: tuple = ()):
+                 max_model_len: int = 4096, log: Path | None = None, extra_args: tuple = (), env: dict | None = None):
         self.proc = None
         self._log_file = None
         if url is not None:
@@ -83,7 +84,7 @@ class VllmServer:
         self.log = Path(log) if log else None
         self._log_file = open(self.log, "wb") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, process_group=0)
+                                     stdin=subprocess.DEVNULL, process_group=0, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "VllmServer":
         """Until ``/health`` answers (ChmError if the server exits first or takes longer)."""
@@ -102,13 +103,14 @@ class VllmServer:
                 raise ChmError(errno.ETIMEDOUT, f"vllm serve at {self.base} not healthy within {timeout_s:g} s")
             time.sleep(0.5)  # another process's HTTP port: polling its /health is the only readiness signal
 
-    def complete(self, prompt: list[int], max_tokens: int = 1) -> tuple[list[int], float]:
+    def complete(self, prompt: list[int], max_tokens: int = 1,
+                 timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[list[int], float]:
         """Greedy ``max_tokens`` after ``prompt``: (the token ids, seconds from send to the first token)."""
         t0 = time.perf_counter()
         ttft, ids = None, []
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "return_token_ids": True, "stream": True}
-        with _http(f"{self.base}/v1/completions", body) as r:
+        with _http(f"{self.base}/v1/completions", body, timeout_s) as r:
             for raw in r:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -119,10 +121,14 @@ class VllmServer:
                 ids += got
         return ids, (time.perf_counter() - t0 if ttft is None else ttft)
 
+    def metrics_text(self) -> str:
+        """``/metrics``, as Prometheus text."""
+        with _http(f"{self.base}/metrics", timeout=30) as r:
+            return r.read().decode()
+
     def counters(self) -> dict[str, float]:
         """vLLM's prompt-token counters (prompt, local = prefix-cache hits, external = a connector's)."""
-        with _http(f"{self.base}/metrics", timeout=30) as r:
-            text = r.read().decode()
+        text = self.metrics_text()
         return {name: sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$",
                                                                  text, re.M))
                 for name, metric in COUNTERS.items()}

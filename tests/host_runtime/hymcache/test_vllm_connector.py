@@ -44,24 +44,13 @@ from host_runtime.hymcache.cli import HyMCacheSet  # noqa: E402
 from host_runtime.hymcache.connector import next_turn_prompt  # noqa: E402
 from host_runtime.hymcache.hf_model import ensure_hf_folder  # noqa: E402
 from host_runtime.hymcache.vllm_connector import LIVE, config_from_vllm  # noqa: E402
+from host_runtime.hymcache.vllm_serve import MODEL_NAME, VllmServer, connector_config, user_message  # noqa: E402
 from tests.emulator.serve.serving import ROOT  # noqa: E402
 
 CS = 128            # chunk_size = vLLM's CPU block_size
 MAX_TOKENS = 8
-MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-TOPICS = ("a lighthouse keeper on a rocky northern island", "a baker who opens her shop before dawn",
-          "a train that crosses a desert at night", "a garden that grows only blue flowers")
-
-
-def user_message(turn: int) -> str:
-    """A long user message (about 300 tokens), different each turn."""
-    topic = TOPICS[turn % len(TOPICS)]
-    lines = [f"Here are some notes about {topic}."]
-    for i in range(1, 8):
-        lines.append(f"Note {i}: on day {i + 3 * turn} of the story, {topic} meets visitor number {i * 7 + turn} "
-                     f"and they talk for {i + 2} minutes.")
-    lines.append("In one short sentence, what is the story about?")
-    return " ".join(lines)
+SERVE_READY_S = 300.0
+ANSWER_S = 120.0  # one completion over HTTP
 
 
 def engine_kwargs(model: Path) -> dict:
@@ -75,12 +64,12 @@ def conversation(turns: int, generate) -> list[dict]:
     from host_runtime.hybridgen.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(SmolLM2.load().tokenizer_reader)
-    prompt = tok.encode(tok.chat_prompt(user_message(0)))
+    prompt = tok.encode(tok.chat_prompt(user_message(0, 0)))
     rows = []
     for t in range(turns):
         output = generate(prompt)
         rows.append({"prompt": prompt, "output": output})
-        prompt = next_turn_prompt(prompt, output, user_message(t + 1), tok)
+        prompt = next_turn_prompt(prompt, output, user_message(0, t + 1), tok)
     return rows
 
 
@@ -169,67 +158,26 @@ def engine(model_dir, reference, hymcache):
 
 
 # ---- `vllm serve` through the launcher: HTTP, /metrics, and a second server that reuses the first's KV ----
-SERVE_READY_S = 300.0
-
-
-class Server:
-    """``python -m host_runtime.hymcache.vllm_launcher serve ...`` on a free port (engine core a process of its
-    own, as vLLM serves by default), its output in a file."""
+class Server(VllmServer):
+    """``vllm serve`` with HyMCache's connector through the launcher (vllm_serve.VllmServer), its engine core a
+    process of its own (as vLLM serves by default), prefix caching off, its output in a file."""
 
     def __init__(self, model_dir: Path, extra: dict, log: Path):
-        from tests.host_runtime.hymcache.procs import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        ktc = {"kv_connector": "HyMCacheConnector", "kv_connector_module_path": "host_runtime.hymcache.vllm_connector",
-               "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
-        cmd = [sys.executable, "-m", "host_runtime.hymcache.vllm_launcher", "serve", str(model_dir),
-               "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-               "--no-enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
-               "--kv-transfer-config", json.dumps(ktc)]
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-        self.log = log
-        self._out = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + SERVE_READY_S
-        while True:  # bounded wait for /health to answer 200 (or the server to exit)
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if self._get("/health", 2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"vllm serve not ready within {SERVE_READY_S:g} s:\n{self.tail()}")
-            time.sleep(0.5)
+        super().__init__(model_dir, prefix_caching=False, kv_transfer=connector_config(**extra), max_model_len=2048,
+                         log=log, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+        try:
+            self.wait_ready(SERVE_READY_S)
+        except BaseException:
+            self.stop()
+            raise
 
     def tail(self, n: int = 6000) -> str:
-        self._out.flush()
         return self.log.read_bytes()[-n:].decode(errors="replace")
-
-    def _get(self, path: str, timeout: float) -> tuple[int, str]:
-        import urllib.request
-
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            return r.status, r.read().decode()
-
-    def complete(self, prompt: list[int]) -> list[int]:
-        """/v1/completions with a token-id prompt, greedy; the generated token ids."""
-        import urllib.request
-
-        body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                           "return_token_ids": True}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return list(json.loads(r.read())["choices"][0]["token_ids"])
 
     def metrics(self) -> dict[str, float]:
         """/metrics: each hymcache: sample (labels dropped, one engine) -> value."""
         out = {}
-        for line in self._get("/metrics", 10.0)[1].splitlines():
+        for line in self.metrics_text().splitlines():
             if line.startswith("hymcache:"):
                 name, value = line.rsplit(" ", 1)
                 out[name.split("{", 1)[0]] = out.get(name.split("{", 1)[0], 0.0) + float(value)
@@ -244,16 +192,6 @@ class Server:
             if all(got.get(f"hymcache:{k}_total", 0.0) >= v for k, v in want.items()) or time.monotonic() > deadline:
                 return got
             time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._out.close()
 
 
 def test_vllm_serve_exports_hymcache_counters_and_a_second_server_reuses_the_first_ones_kv(model_dir, reference,
@@ -272,14 +210,14 @@ def test_vllm_serve_exports_hymcache_counters_and_a_second_server_reuses_the_fir
     hit2, hit3 = min(len(p1) // CS, (len(p2) - 1) // CS) * CS, min(len(p2) // CS, (len(p3) - 1) // CS) * CS
     first = Server(model_dir, extra, tmp_path / "serve1.log")
     try:
-        assert "vllm:" in first._get("/metrics", 10.0)[1]  # vLLM's own metrics are there too
-        assert first.complete(p1) == rows[0]["output"]
+        assert "vllm:" in first.metrics_text()  # vLLM's own metrics are there too
+        assert first.complete(p1, MAX_TOKENS, ANSWER_S)[0] == rows[0]["output"]
         m = first.wait_metrics({"num_stored_tokens": full[0]})
         assert m.get("hymcache:num_stored_tokens_total") == full[0], (m, first.tail())
         assert m.get("hymcache:num_stored_blocks_total") == full[0] // CS
         assert m.get("hymcache:num_lookup_requests_total") == 1 and not m.get("hymcache:num_hit_tokens_total")
         assert m.get("hymcache:stored_bytes_total", 0) > 0
-        assert first.complete(p2) == rows[1]["output"]
+        assert first.complete(p2, MAX_TOKENS, ANSWER_S)[0] == rows[1]["output"]
         m = first.wait_metrics({"num_stored_tokens": full[1], "num_hit_tokens": hit2})
         print("\nserver 1 /metrics:", {k: v for k, v in sorted(m.items()) if v})
         assert m.get("hymcache:num_hit_tokens_total") == hit2 >= 256  # turn 1's full chunks, from the devices
@@ -293,7 +231,7 @@ def test_vllm_serve_exports_hymcache_counters_and_a_second_server_reuses_the_fir
     assert first.proc.returncode is not None
     second = Server(model_dir, extra, tmp_path / "serve2.log")
     try:
-        assert second.complete(p3) == rows[2]["output"]
+        assert second.complete(p3, MAX_TOKENS, ANSWER_S)[0] == rows[2]["output"]
         m = second.wait_metrics({"num_hit_tokens": hit3})
         print("server 2 /metrics:", {k: v for k, v in sorted(m.items()) if v})
         assert m.get("hymcache:num_hit_tokens_total") == hit3 >= 512  # what the first server stored
