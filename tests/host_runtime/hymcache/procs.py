@@ -7,22 +7,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import xxhash
 
+from host_runtime.hymcache.vllm_serve import free_port  # noqa: F401  (the tests' free port)
 from tests.emulator.serve.serving import ROOT
 
 CHM = os.path.join(os.path.dirname(sys.executable), "chm")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_piece(role: str, *args: str, timeout: float = 60.0) -> tuple[subprocess.Popen, dict]:
