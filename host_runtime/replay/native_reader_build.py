@@ -1,0 +1,73 @@
+"""cffi (API mode) build of the native trace reader, ``host_runtime/replay/native/trace_reader.{h,c}``.
+
+The cdef is cut out of the header (between its cdef markers), as ``emulator/native_build.py`` does for the
+device core. The module's name carries a digest of the sources and flags
+(``host_runtime.replay._trace_reader_<digest>``): a process never loads a module built from other sources, and
+a changed source builds a new one on first import of :mod:`host_runtime.replay.native_reader`.
+``python -m host_runtime.replay.native_reader_build`` builds it (``make native``) and removes modules built from
+earlier sources; it prints the module's path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import cffi
+
+from driver.native import compile_into
+
+HERE = Path(__file__).resolve().parent
+NATIVE = HERE / "native"
+HEADER = NATIVE / "trace_reader.h"
+SOURCE = NATIVE / "trace_reader.c"
+PACKAGE = "host_runtime.replay"
+CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"]
+LOCK = NATIVE / "build.lock"  # git-ignored (native/.gitignore)
+
+
+def cdef_of(header: Path) -> str:
+    """The cffi-parsable part of a header: the text between its cdef markers."""
+    text = header.read_text()
+    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
+    return text[text.index(begin) + len(begin): text.index(end)]
+
+
+def module_name() -> str:
+    """``host_runtime.replay._trace_reader_<digest of sources and flags>``."""
+    digest = hashlib.sha256()
+    for part in (HEADER.read_bytes(), SOURCE.read_bytes(), " ".join(CFLAGS).encode()):
+        digest.update(part)
+    return f"{PACKAGE}._trace_reader_{digest.hexdigest()[:12]}"
+
+
+def make_ffi() -> cffi.FFI:
+    ffi = cffi.FFI()
+    ffi.cdef(cdef_of(HEADER))
+    ffi.set_source(module_name(), '#include "trace_reader.h"', sources=[str(SOURCE)],
+                   include_dirs=[str(NATIVE)], extra_compile_args=CFLAGS)
+    return ffi
+
+
+def build() -> Path:
+    """Compile the module into ``host_runtime/replay/`` (``compile_into``). Returns its path."""
+    return compile_into(make_ffi(), HERE)
+
+
+def stale_modules() -> list[Path]:
+    """Modules built from earlier sources."""
+    current = module_name().rsplit(".", 1)[1]
+    return [p for p in HERE.glob("_trace_reader_*.so") if not p.name.startswith(current)]
+
+
+def main() -> None:
+    from driver.native import load_or_build
+
+    module = load_or_build(module_name(), build, LOCK)
+    for old in stale_modules():
+        old.unlink()
+    print(module.__file__)
+
+
+if __name__ == "__main__":
+    main()
