@@ -6,13 +6,15 @@ libCacheSim's Python binding gives no batched access to its reader from C (its w
 is a reader of the same formats, request for request the same as libCacheSim 0.3.5's through the binding
 (``tests/host_runtime/test_native_reader.py`` pins the two on every format in ``NATIVE_FORMATS``):
 ``clock_time`` as libCacheSim reports it (csv: the time column read as ``(int64_t)strtod``, not shifted to the
-first request; binary: the record's uint32), object ids as numbers (csv / txt with ``obj-id-is-num``, the
-binding's default), size-0 requests skipped and ``limit`` as libCacheSim's ``cap_at_n_req`` (1 is no cap).
+first request; binary: the record's uint32), object ids as numbers (``obj-id-is-num``, the binding's default) or,
+in a csv with ``obj-id-is-num=false``, the XXH3 hash of the field as libCacheSim makes them, size-0 requests
+skipped and ``limit`` as libCacheSim's ``cap_at_n_req`` (1 is no cap).
 
 Where libCacheSim reads a request that is not in the file (a blank csv line, a missing column, a field that is no
 number, a truncated record) or aborts, this reader raises ValueError naming the file, the line or record, the
-field and the value. What libCacheSim reads and this reader does not (hashed ids: ``obj-id-is-num=false``,
-``cnt-col``, zstd files) raises :class:`NativeUnsupported`, a ValueError: use libcachesim's reader for those.
+field and the value. What libCacheSim reads and this reader does not (txt ids that are not numbers, ``cnt-col``,
+zstd files, ``obj_id_is_num`` false without ``obj_id_is_num_set``, where libCacheSim counts numeric-looking ids and
+aborts) raises :class:`NativeUnsupported`, a ValueError: use libcachesim's reader for those.
 
     reader = NativeTraceReader("trace.csv", "csv", parse_trace_params("time-col=1,obj-id-col=2,obj-size-col=3"))
     for times, obj_ids, sizes in reader:   # int64, uint64, int64 arrays, up to ``batch`` requests each
@@ -47,7 +49,8 @@ _KNOWN = _NO_EFFECT | set(_COLUMNS) | {"delimiter", "has_header", "obj_id_is_num
 
 
 class NativeUnsupported(ValueError):
-    """libCacheSim reads the trace, this reader does not (hashed ids, cnt-col, zstd): use libcachesim's reader."""
+    """libCacheSim reads the trace, this reader does not (txt ids that are not numbers, cnt-col, zstd): use
+    libcachesim's reader."""
 
 
 def _params(trace_format: str, params: Mapping[str, Any], ignore_obj_size: bool, limit: int | None):
@@ -68,10 +71,18 @@ def _params(trace_format: str, params: Mapping[str, Any], ignore_obj_size: bool,
     p.delimiter = delimiter.encode("latin-1")[0]
     p.has_header = int(bool(params["has_header"])) if params.get("has_header_set") else -1  # -1: guess
     p.obj_id_is_num = int(bool(params.get("obj_id_is_num", True)))
+    if not p.obj_id_is_num and not params.get("obj_id_is_num_set"):
+        raise NativeUnsupported("obj_id_is_num = False without obj_id_is_num_set: libCacheSim then counts the ids "
+                                "that look numeric and aborts past 20,000 requests if 99% do")
     p.ignore_obj_size = int(bool(ignore_obj_size))
     p.ignore_size_zero_req = int(bool(params.get("ignore_size_zero_req", True)))
     p.cap_at_n_req = -1 if limit is None else int(limit)
     return p
+
+
+def xxh3_64(data: bytes) -> int:
+    """XXH3_64bits(data): the id libCacheSim gives a csv object id that is not a number."""
+    return lib.tr_xxh3_64(data, len(data))
 
 
 def _raise(reader) -> None:

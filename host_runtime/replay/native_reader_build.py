@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "native"
 HEADER = NATIVE / "trace_reader.h"
 SOURCE = NATIVE / "trace_reader.c"
+SOURCES = (HEADER, SOURCE, NATIVE / "xxh3.h")  # what the module is built from (its name's digest)
 PACKAGE = "host_runtime.replay"
 CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"]
 LOCK = NATIVE / "build.lock"  # git-ignored (native/.gitignore)
@@ -36,7 +37,7 @@ def cdef_of(header: Path) -> str:
 def module_name() -> str:
     """``host_runtime.replay._trace_reader_<digest of sources and flags>``."""
     digest = hashlib.sha256()
-    for part in (HEADER.read_bytes(), SOURCE.read_bytes(), " ".join(CFLAGS).encode()):
+    for part in [path.read_bytes() for path in SOURCES] + [" ".join(CFLAGS).encode()]:
         digest.update(part)
     return f"{PACKAGE}._trace_reader_{digest.hexdigest()[:12]}"
 

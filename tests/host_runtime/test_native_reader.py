@@ -2,7 +2,8 @@
 
 Every format in NATIVE_FORMATS: seeded random traces, with the edge cases of each (a header or none, guessed or
 told; comma, tab, space, pipe delimiters; columns in other orders, extra columns; CRLF; no newline at the end;
-blank txt lines; quoted and padded fields; hex and octal ids; ids near 2^64; float and huge times; size 0;
+blank txt lines; quoted and padded fields; hex and octal ids; ids near 2^64; hashed ids (obj-id-is-num=false)
+of every length; float and huge times; size 0;
 limits; ignore_obj_size; files longer than the reader's 1 MiB buffer and a header line longer than it), read by
 libcachesim's TraceReader (in one child process, as lcs_trace's _lcs_child reads them) and by the native
 reader: the (clock_time, obj_id, obj_size) sequences must be equal. Then the files libCacheSim cannot read
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from host_runtime.replay.lcs_trace import ORACLE_GENERAL_RECORD, TRACE_FORMATS, parse_trace_params
-from host_runtime.replay.native_reader import NATIVE_FORMATS, NativeTraceReader, NativeUnsupported
+from host_runtime.replay.native_reader import NATIVE_FORMATS, NativeTraceReader, NativeUnsupported, xxh3_64
 
 # libcachesim's reader through its binding, as host_runtime/replay/_lcs_child.py calls it, for many traces at once
 _CHILD = r"""
@@ -133,6 +134,16 @@ def _cases() -> list[Case]:
     cases.append(Case("csv_no_time_col", _csv(rows[:300]), "csv", _p("obj-id-col=2,obj-size-col=3")))
     cases.append(Case("csv_id_col_shadows_time", _csv(rows[:300]), "csv", _p("time-col=2,obj-id-col=2,obj-size-col=3")))
     cases.append(Case("csv_obj_id_is_num_told", _csv(rows[:300]), "csv", _p(cols + ",obj-id-is-num=true")))
+    # obj-id-is-num=false: ids hashed (XXH3 of the field as libcsv gives it: unquoted, trimmed), of every length
+    keys = ["user%d" % rng.randrange(10 ** 6) for _ in range(1500)] + ["", "12", "0x10", "  padded  ", "\u00e9t\u00e9",
+            "k" * 300, "x" * 3000, '"a,b"', '"say ""hi"""', '"  kept  "', " tab\tin"]
+    rng.shuffle(keys)
+    named = [(t, k, s) for (t, _, s), k in zip(_rows(rng, len(keys)), keys)]
+    cases.append(Case("csv_hashed_ids", _csv(named, header=["t", "key", "size"]), "csv",
+                      _p(cols + ",obj-id-is-num=false,has-header=true")))
+    cases.append(Case("csv_hashed_ids_tab", _csv([(k, t, s) for t, k, s in named if "\t" not in k], "\t"), "csv",
+                      _p("obj-id-col=1,time-col=2,obj-size-col=3,obj-id-is-num=false,has-header=false",
+                         delimiter="\t")))
     # longer than the reader's 1 MiB buffer: lines cross chunk boundaries; a 2 MiB header line makes it grow
     big = _rows(rng, 70000)
     cases.append(Case("csv_many_chunks", _csv(big), "csv", _p(cols)))
@@ -213,6 +224,16 @@ def test_cases_reach_the_edges(traces):
     assert len(traces["csv_limit"][1]) == 100 and len(traces["csv_limit_1_is_no_cap"][1]) > 1
     assert {s for _, _, s in traces["csv_ignore_obj_size"][1]} == {1}
     assert {t for t, _, _ in traces["csv_id_col_shadows_time"][1]} == {0}
+    assert len({o for _, o, _ in traces["csv_hashed_ids"][1]}) > 1000  # hashed, not read as 0
+
+
+def test_xxh3_is_xxhash():
+    """The hash of csv ids that are not numbers is XXH3_64bits, on every length to 2 KiB (each of its paths)."""
+    xxhash = pytest.importorskip("xxhash")
+    rng = random.Random(64)
+    for n in range(2049):
+        data = rng.randbytes(n)
+        assert xxh3_64(data) == xxhash.xxh3_64_intdigest(data), n
 
 
 def test_batches_and_reset(traces):
@@ -302,8 +323,10 @@ def test_missing_file(tmp_path):
 def test_unsupported_is_its_own_error(tmp_path):
     path = tmp_path / "t.csv"
     path.write_bytes(b"1,a,1\n")
-    for params in (_p("time-col=1,obj-id-col=2,obj-id-is-num=false"), _p("obj-id-col=2,cnt-col=3")):
+    for params in (_p("obj-id-col=2,cnt-col=3"), {"obj_id_field": 2, "obj_id_is_num": False}):
         with pytest.raises(NativeUnsupported):
             NativeTraceReader(path, "csv", params)
+    with pytest.raises(NativeUnsupported, match="glib quarks"):
+        NativeTraceReader(path, "txt", _p("obj-id-is-num=false"))
     with pytest.raises(NativeUnsupported):
         NativeTraceReader(path, "vscsi", {})

@@ -2,6 +2,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include "trace_reader.h"
+#include "xxh3.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -37,7 +38,8 @@ struct tr_reader {
     /* binary */
     size_t item_size;
     int lcs_ver;
-    char field[FIELD_MAX]; /* a quoted field, unquoted */
+    char *field;           /* a quoted field, unquoted (grown to the line's length) */
+    size_t field_cap;
 };
 
 static int fail(tr_reader *r, int code, const char *fmt, ...) {
@@ -245,6 +247,12 @@ static int csv_row(tr_reader *r, const char *line, size_t len, int64_t *t, uint6
         size_t fl;
         int role = col == r->icol ? 1 : col == r->tcol ? 2 : col == r->scol ? 3 : 0;
         if (i < len && line[i] == '"') { /* quoted: "" is a quote, the delimiter is text */
+            if (r->field_cap < len) {
+                char *grown = realloc(r->field, len);
+                if (!grown) return fail(r, TR_E_NOMEM, "out of memory for a field of %zu bytes", len);
+                r->field = grown;
+                r->field_cap = len;
+            }
             size_t o = 0, open = i;
             int closed = 0;
             for (i++; i < len; i++) {
@@ -257,8 +265,7 @@ static int csv_row(tr_reader *r, const char *line, size_t len, int64_t *t, uint6
                         break;
                     }
                 }
-                if (o < FIELD_MAX) r->field[o] = line[i];
-                o++;
+                r->field[o++] = line[i];
             }
             while (i < len && is_blank((unsigned char)line[i], delim)) i++;
             if (!closed || (i < len && (unsigned char)line[i] != delim)) {
@@ -268,7 +275,7 @@ static int csv_row(tr_reader *r, const char *line, size_t len, int64_t *t, uint6
                             "\"\" for a quote, a quote, then the delimiter)", (long long)r->pos, col, v);
             }
             fs = r->field;
-            fl = o < FIELD_MAX ? o : FIELD_MAX; /* too long for a number either way */
+            fl = o;
         } else {
             size_t b = i;
             const char *d = memchr(line + i, delim, len - i);
@@ -278,7 +285,9 @@ static int csv_row(tr_reader *r, const char *line, size_t len, int64_t *t, uint6
             fs = line + b;
             fl = e - b;
         }
-        if (role == 1) {
+        if (role == 1 && !r->p.obj_id_is_num) {
+            *id = xxh3_64(fs, fl); /* libCacheSim: get_hash_value_str(field, length) */
+        } else if (role == 1) {
             int why = parse_u64(fs, fl, id);
             if (why) return field_error(r, "obj-id-col", col, fs, fl, why, "an object id: an integer in [0, 2^64), "
                                         "0x.. hex, 0.. octal, as strtoull reads it");
@@ -401,9 +410,9 @@ static int check_params(tr_reader *r) {
         return fail(r, TR_E_UNSUPPORTED, "a zstd-compressed trace (libCacheSim decompresses it; this reader does "
                     "not)");
     if (p->format == TR_CSV || p->format == TR_TXT) {
-        if (!p->obj_id_is_num)
-            return fail(r, TR_E_UNSUPPORTED, "obj-id-is-num = false: libCacheSim hashes such ids (%s), this reader "
-                        "reads numeric ids only", p->format == TR_CSV ? "XXH3" : "glib quarks");
+        if (!p->obj_id_is_num && p->format == TR_TXT)
+            return fail(r, TR_E_UNSUPPORTED, "obj-id-is-num = false: libCacheSim numbers such txt ids as glib "
+                        "quarks (in the order the process first sees them), this reader reads numeric ids only");
     }
     if (p->format == TR_CSV) {
         if (p->time_col < 0 || p->obj_id_col < 0 || p->obj_size_col < 0)
@@ -552,6 +561,9 @@ void tr_close(tr_reader *r) {
     if (!r) return;
     if (r->fd >= 0) close(r->fd);
     free(r->buf);
+    free(r->field);
     free(r->path);
     free(r);
 }
+
+uint64_t tr_xxh3_64(const char *s, size_t len) { return xxh3_64(s, len); }

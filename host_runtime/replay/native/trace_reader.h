@@ -9,7 +9,8 @@
  * What libCacheSim reads from a file it cannot read whole is not copied: where it would read a request that is
  * not in the file (a blank csv line: object 0 at time 0; a column past the row's end: 0; a truncated binary
  * record: whatever follows the file) or abort the process (a txt line that is no number, a missing file), this
- * reader stops with an error naming the file, the line or record, the field and the value.
+ * reader stops with an error naming the file, the line or record, the field and the value. A csv object id that
+ * is not a number (obj-id-is-num = false) is hashed as libCacheSim hashes it (XXH3_64bits of the field, xxh3.h).
  *
  * The file is read in chunks into one buffer (1 MiB, grown only for a longer line, at most TR_MAX_LINE bytes):
  * the reader's memory does not grow with the trace.
@@ -50,7 +51,8 @@ typedef struct {
     int cnt_col;               /* libCacheSim's cnt_field: not supported here (!= 0: TR_E_UNSUPPORTED) */
     int delimiter;             /* csv: one byte, e.g. ',' '\t' ' ' */
     int has_header;            /* csv: 1 / 0, or -1: guess from the first line as libCacheSim does */
-    int obj_id_is_num;         /* csv, txt: 1 (ids are numbers); 0: hashed ids, not supported here */
+    int obj_id_is_num;         /* csv, txt: 1: ids are numbers; 0: csv ids are hashed (XXH3 of the field, as
+                                * libCacheSim does), txt ids are not supported here (glib quarks) */
     int ignore_obj_size;       /* every request's size is 1 (sizes are still read: size-0 requests are skipped) */
     int ignore_size_zero_req;  /* skip requests of size 0 (libCacheSim's default: 1) */
     int64_t cap_at_n_req;      /* at most this many requests; <= 1: no cap (libCacheSim's rule) */
@@ -75,6 +77,9 @@ const char *tr_message(const tr_reader *r);
 int64_t tr_requests(const tr_reader *r);
 int64_t tr_position(const tr_reader *r);
 void tr_close(tr_reader *r);
+
+/* XXH3_64bits(s, len): the id libCacheSim gives a csv object id that is not a number (obj-id-is-num = false) */
+uint64_t tr_xxh3_64(const char *s, size_t len);
 
 /* ---- cdef end ---- */
 
