@@ -202,7 +202,8 @@ class NativeMaster:
             raise ChmError(errno.ENODEV, "no storage node is registered: start a KV Manager first")
         if rc == -lib.MT_E_TOO_BIG:
             raise ChmError(errno.ENOSPC, f"request {request_id}: {self._detail[0]} bytes exceed device "
-                                         f"{self._info.device} of node {self._node} ({self._info.capacity_bytes} bytes)")
+                                         f"{self._info.device} of node {self._node} "
+                                         f"({self._info.capacity_bytes} bytes)")
         if rc == -lib.MT_E_NO_ROOM:
             sp = self._device_space()
             raise ChmError(errno.ENOSPC, f"request {request_id}: no room for {self._detail[0]} bytes on device "
