@@ -308,8 +308,8 @@ static int csv_row(tr_reader *r, const char *line, size_t len, int64_t *t, uint6
             for (int k = 0; k < 3; k++)
                 if (cols[k] > col && (missing == 0 || cols[k] < missing)) name = names[k], missing = cols[k];
             return fail(r, TR_E_PARSE, "line %lld: %d column%s, but %s is %d (columns are counted from 1; "
-                        "libCacheSim would read a missing column as 0)", (long long)r->pos, col,
-                        col == 1 ? "" : "s", name, missing);
+                        "libCacheSim would read a missing time or id as 0, a missing size as 1)",
+                        (long long)r->pos, col, col == 1 ? "" : "s", name, missing);
         }
         i++; /* the delimiter */
     }
