@@ -39,6 +39,11 @@ _COUNTERS = ("lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "p
              "revoked_blocks", "removed_blocks", "evictions", "stale_blocks", "put_no_space")
 
 
+def _plain_ints(values: list, lo: int, hi: int) -> bool:
+    """All ``int`` (not bool, not numpy) in [lo, hi]: what Master's per-item ``_check_int`` passes unchanged."""
+    return not values or (set(map(type, values)) == {int} and lo <= min(values) and max(values) <= hi)
+
+
 @functools.cache
 def load_module(mutation: str | None = None) -> ModuleType:
     """The compiled module for the current sources (built first if missing); ``mutation``: a test variant."""
@@ -157,9 +162,11 @@ class NativeMaster:
         if request_id is not None:
             raise ChmError(errno.EINVAL, "the native replay index gives no lease tokens (request_id must be None)")
         n = self._lookup(keys)
-        node, device = self._node, self._info.device if self._info else 0
-        o, ln, c, v = self._offsets, self._lengths, self._checksums, self._versions
-        return [BlockLoc(keys[i], node, device, o[i], ln[i], c[i], v[i]) for i in range(n)]
+        node, device, unpack = self._node, self._info.device if self._info else 0, self._ffi.unpack
+        fields = zip(keys, unpack(self._offsets, n), unpack(self._lengths, n), unpack(self._checksums, n),
+                     unpack(self._versions, n))
+        return [BlockLoc(key, node, device, offset, length, checksum, version)
+                for key, offset, length, checksum, version in fields]
 
     def lookup_offsets(self, keys: list) -> list[int]:
         """``[loc.offset for loc in lookup(keys)]``."""
@@ -176,14 +183,17 @@ class NativeMaster:
     def put_start(self, request_id: str, keys: list, sizes: list) -> list[WriteLoc | None]:
         """Master.put_start."""
         keys, sizes = self._put_start(request_id, keys, sizes)
-        node, device, o, v = self._node, self._info.device if self._info else 0, self._offsets, self._versions
-        return [WriteLoc(key, node, device, o[i], sizes[i], v[i]) if v[i] else None for i, key in enumerate(keys)]
+        n, unpack = len(keys), self._ffi.unpack
+        node, device = self._node, self._info.device if self._info else 0
+        return [WriteLoc(key, node, device, offset, size, version) if version else None for key, offset, size, version
+                in zip(keys, unpack(self._offsets, n), sizes, unpack(self._versions, n))]
 
     def put_start_offsets(self, request_id: str, keys: list, sizes: list) -> list[int | None]:
         """``[loc and loc.offset for loc in put_start(...)]``."""
         keys, _ = self._put_start(request_id, keys, sizes)
-        o, v = self._offsets, self._versions
-        return [o[i] if v[i] else None for i in range(len(keys))]
+        n, unpack = len(keys), self._ffi.unpack
+        return [offset if version else None for offset, version in zip(unpack(self._offsets, n),
+                                                                       unpack(self._versions, n))]
 
     def _put_start(self, request_id, keys, sizes) -> tuple[list[bytes], list[int]]:
         if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
@@ -192,7 +202,8 @@ class NativeMaster:
         sizes = _check_list(sizes, "sizes")
         if len(sizes) != len(keys):
             raise ChmError(errno.EINVAL, f"sizes has {len(sizes)} items for {len(keys)} keys")
-        sizes = [_check_int(s, f"sizes[{i}]", 1, MAX_LENGTH) for i, s in enumerate(sizes)]
+        if not _plain_ints(sizes, 1, MAX_LENGTH):  # else Master's check, with its message
+            sizes = [_check_int(s, f"sizes[{i}]", 1, MAX_LENGTH) for i, s in enumerate(sizes)]
         n = len(keys)
         self._grow(n)
         lib = self._lib
@@ -218,7 +229,8 @@ class NativeMaster:
         checksums = _check_list(checksums, "checksums")
         if len(checksums) != len(keys):
             raise ChmError(errno.EINVAL, f"checksums has {len(checksums)} items for {len(keys)} keys")
-        checksums = [_check_int(c, f"checksums[{i}]", 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
+        if not _plain_ints(checksums, 0, (1 << 64) - 1):
+            checksums = [_check_int(c, f"checksums[{i}]", 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
         vers = self._versions_arg(versions, len(keys))
         return self._check(self._lib.mt_put_end(self._t, float(self.clock.now()), self._keys(keys),
                                                 self._ffi.new("uint64_t[]", checksums), vers, len(keys)))

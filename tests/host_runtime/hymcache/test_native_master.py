@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
 import pytest
 
 from driver.errors import ChmError
@@ -236,14 +237,16 @@ def test_before_registration_and_bad_calls_fail_alike():
                ("put_revoke", k), ("stats",), ("expire",), ("lookup", [b"short"]), ("lookup", "nope"),
                ("put_start", "", k, [1, 1]), ("put_start", "r", k, [1]), ("put_start", "r", k, [0, 1]),
                ("put_start", "r", k, [1, 1 << 32]), ("put_end", k, [1]), ("put_end", k, [1, -1]),
-               ("put_end", k, [1, 2], [1]), ("put_revoke", k, [1, 1 << 32]),
+               ("put_end", k, [1, 2], [1]), ("put_revoke", k, [1, 1 << 32]), ("put_start", "r", k, [True, 1]),
+               ("put_start", "r", k, [1.0, 1]), ("put_end", k, [1, 1 << 64]), ("put_end", k, [False, 1]),
                ("lookup", [key_of(0)] * (MAX_BATCH + 1))]:
         twins.both(op)
     twins.same_state()
     for m in (twins.py, twins.nat):
         m.register_node(0, "twin", [DeviceInfo(0, "twin", 8 * KiB, 0)])
     for op in [("put_start", "big", [key_of(i) for i in range(3)], [4 * KiB] * 3),  # more than the device
-               ("put_start", "fits", k, [4 * KiB, 4 * KiB]), ("put_end", k, [5, 6]), ("lookup", k),
+               ("put_start", "fits", k, [np.int64(4 * KiB), 4 * KiB]), ("put_end", k, [np.uint64(5), 6]),
+               ("lookup", k),
                ("put_start", "full", [key_of(9)], [1]),  # leased: no room (ENOSPC), nothing evictable
                ("advance", 11.0), ("put_start", "evicts", [key_of(9)], [1]), ("stats",)]:
         twins.both(op)
