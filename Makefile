@@ -17,7 +17,7 @@ help:
 	@echo "make rtl-test - only the RTL benches (cocotb + Icarus; SIM=verilator for Verilator)"
 	@echo "make bench  - benchmarks, side by side with their physical limits / peers"
 	@echo "make repro  - reproduce the HyMCache device results by trace replay (paper scale, a few minutes)"
-	@echo "make repro-vllm - the multi-turn chat on the real vllm serve, tier by tier (Fig. 13's shape; ~40 min)"
+	@echo "make repro-vllm - the multi-turn chat on the real vllm serve, tier by tier (Fig. 13's shape; ~65 min)"
 
 # Debian packages, only when one is missing (apt-get update at most once).
 .apt-stamp:

@@ -25,7 +25,7 @@ and a fresh HyMCache set. The table shows per turn the median over runs of each 
 largest of those medians. Output: a table on stdout, ``--out DIR`` (default bench/results/vllm) with
 ``bench_vllm.json`` and ``bench_vllm.png`` (one line per tier).
 
-    .venv/bin/python -m bench bench_vllm             # all of it (about 20 minutes on 2 cores)
+    .venv/bin/python -m bench bench_vllm             # all of it (about 65 minutes on 2 cores)
     .venv/bin/python -m bench.bench_vllm --runs 1 --conversations 2 --turns 3 --tiers prefix,hymcache
 """
 
@@ -40,11 +40,13 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("recompute", "prefix", "example", "hymcache-lru", "hymcache")
+BLOCK_TOKENS = 128              # vLLM's KV block on CPU
 VOCAB = (1000, 45000)           # token ids drawn from here: ordinary word pieces of SmolLM2's 49,152
 
 
@@ -57,16 +59,17 @@ def conversations(n: int, turns: int, turn_tokens: int, seed: int) -> list[list[
 
 @contextlib.contextmanager
 def tier_backend(tier: str, work: Path):
-    """(prefix caching on?, kv-transfer config or None) of ``tier``, with what it needs running meanwhile."""
+    """(prefix caching on?, kv-transfer config or None, the HyMCacheSet or None) of ``tier``, with what it needs
+    running meanwhile."""
     if tier == "recompute":
-        yield False, None
+        yield False, None, None
     elif tier == "prefix":
-        yield True, None
+        yield True, None, None
     elif tier == "example":
         store = work / "example-store"
         store.mkdir()
         yield True, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                     "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+                     "kv_connector_extra_config": {"shared_storage_path": str(store)}}, None
     else:
         from host_runtime.hymcache import auth
         from host_runtime.hymcache.cli import HyMCacheSet
@@ -81,34 +84,82 @@ def tier_backend(tier: str, work: Path):
                            device_overrides=[f"policy.name={policy}"], verbose=False,
                            tag=f"benchvllm-{os.getpid()}")
         with hset:
-            yield True, connector_config(hset.master_endpoint, str(keys), "worker")
+            yield True, connector_config(hset.master_endpoint, str(keys), "worker"), hset
 
 
 def run_tier(tier: str, model: Path, convs, blocks: int, dtype: str, work: Path) -> list[dict]:
-    """One run of the workload on a fresh server: a row per turn (TTFTs, tokens by tier)."""
-    from host_runtime.hymcache.vllm_serve import COUNTERS, VllmServer
+    """One run of the workload on a fresh server: a row per turn (TTFTs, tokens by tier; for HyMCache the
+    loads' wall time and bytes, and a bare libchm read of as many bytes from the same devices)."""
+    from host_runtime.hymcache.vllm_serve import COUNTERS, LOAD_COUNTERS, VllmServer
 
     work.mkdir(parents=True)
-    with tier_backend(tier, work) as (prefix_caching, kv_transfer):
+    with tier_backend(tier, work) as (prefix_caching, kv_transfer, hset):
         with VllmServer(model, prefix_caching=prefix_caching, kv_transfer=kv_transfer, blocks=blocks, dtype=dtype,
                         log=work / "vllm.log") as server:
             server.wait_ready()
+            metrics = {**COUNTERS, **LOAD_COUNTERS}
             history = [[] for _ in convs]
             rows = []
             for t in range(len(convs[0])):
-                before = server.counters()
+                before = server.counters(metrics)
                 ttfts = []
                 for c, turns in enumerate(convs):
                     history[c] += turns[t]
                     tokens, ttft = server.complete(history[c], 1)
                     history[c] += tokens
                     ttfts.append(ttft)
-                after = server.counters()
-                d = {k: after[k] - before[k] for k in COUNTERS}
+                after = server.counters(metrics)
+                d = {k: after[k] - before[k] for k in metrics}
                 rows.append({"turn": t + 1, "ttft_s": ttfts, "prompt_tokens": d["prompt"],
                              "local_hit_tokens": d["local"], "external_hit_tokens": d["external"],
                              "recomputed_tokens": d["prompt"] - d["local"] - d["external"]})
+                if hset is not None:
+                    rows[-1].update(load_s=d["load_s"], loaded_bytes=d["loaded_bytes"])
+            if hset is not None:
+                stored_blocks = int(after["stored_tokens"]) // BLOCK_TOKENS
+                for row in rows:
+                    row["bare_read_s"] = bare_read_s(hset, int(row["loaded_bytes"]), model, dtype, stored_blocks)
             return rows
+
+
+def bare_read_s(hset, nbytes: int, model: Path, dtype: str, stored_blocks: int) -> float:
+    """Seconds libchm alone takes to read ``nbytes`` of stored blocks from the set's devices, as the connector
+    reads a block (connector.READ_PIECE_BYTES pieces of whole layers, all of a block's pieces in flight), with no
+    Manager, no lookup and no copy into a KV cache: the floor under HyMCache's loads of as many bytes. The
+    blocks are read round-robin over the devices, spread evenly over the first ``stored_blocks`` per device
+    (the Master allocates append-only from offset 0, so those hold the run's stored KV, of every turn, as a
+    turn's loads do)."""
+    import libchm
+    from host_runtime.hymcache.connector import MAX_READ_PIECES, READ_PIECE_BYTES
+    from host_runtime.hymcache.vllm_serve import kv_bytes_per_token
+
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    block_bytes = kv_bytes_per_token(model, 4 if dtype == "float32" else 2) * BLOCK_TOKENS
+    layer_bytes = block_bytes // layers
+    per_piece = max(-(-READ_PIECE_BYTES // layer_bytes), -(-layers // MAX_READ_PIECES))
+    pieces = [(lo * layer_bytes, min(lo + per_piece, layers) * layer_bytes) for lo in range(0, layers, per_piece)]
+    n_blocks = nbytes // block_bytes
+    if n_blocks == 0:
+        return 0.0
+    names = [hset.device_node(0, d) for d in range(hset.devices_per_node)]
+    devices = [libchm.Device(name, staging_bytes=block_bytes) for name in names]
+    per_device = max(1, stored_blocks // len(devices))
+    per_read = -(-n_blocks // len(devices))  # blocks read from each device, spread evenly over its stored ones
+    try:
+        staging = [dev.buffer()[:block_bytes] for dev in devices]
+        t0 = time.perf_counter()
+        for i in range(n_blocks):
+            d = i % len(devices)
+            base = (i // len(devices) * per_device // per_read % per_device) * block_bytes
+            for lo, hi in pieces:
+                devices[d].submit_read(base + lo, staging[d][lo:hi])
+            for _, moved, _ in devices[d].reap(len(pieces), len(pieces)):
+                if moved < 0:
+                    raise OSError(-moved, f"bare read of block {i} on {names[d]}: {os.strerror(-moved)}")
+        return time.perf_counter() - t0
+    finally:
+        for dev in devices:
+            dev.close()
 
 
 def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, list[dict]]:
@@ -122,6 +173,11 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, list[dict]]:
                    "ttft_max_of_medians_ms": 1e3 * max(medians)}
             for k in ("prompt_tokens", "local_hit_tokens", "external_hit_tokens", "recomputed_tokens"):
                 row[k] = statistics.median(r[t][k] for r in tier_runs)
+            if "load_s" in tier_runs[0][t]:  # the loads' share of the turn's TTFTs (all its requests together)
+                row["load_ms"] = 1e3 * statistics.median(r[t]["load_s"] for r in tier_runs)
+                row["bare_read_ms"] = 1e3 * statistics.median(r[t]["bare_read_s"] for r in tier_runs)
+                row["loaded_mb"] = statistics.median(r[t]["loaded_bytes"] for r in tier_runs) / 1e6
+                row["load_share_of_ttft"] = statistics.median(r[t]["load_s"] / sum(r[t]["ttft_s"]) for r in tier_runs)
             rows.append(row)
         out[tier] = rows
     return out
@@ -135,6 +191,13 @@ def table(summary: dict[str, list[dict]]) -> str:
             lines.append(f"{tier:<13} {r['turn']:>4} {r['ttft_median_ms']:>9.1f} {r['ttft_max_of_medians_ms']:>9.1f} "
                          f"{r['prompt_tokens']:>7.0f} {r['local_hit_tokens']:>8.0f} {r['external_hit_tokens']:>9.0f} "
                          f"{r['recomputed_tokens']:>10.0f}")
+    loads = [(tier, r) for tier, rows in summary.items() for r in rows if r.get("loaded_mb")]
+    if loads:
+        lines += ["", "HyMCache's loads per turn (all conversations), against libchm alone reading as many bytes:",
+                  f"{'tier':<13} {'turn':>4} {'loaded MB':>9} {'load ms':>9} {'bare ms':>9} {'share of TTFT':>13}"]
+        for tier, r in loads:
+            lines.append(f"{tier:<13} {r['turn']:>4} {r['loaded_mb']:>9.1f} {r['load_ms']:>9.1f} "
+                         f"{r['bare_read_ms']:>9.1f} {100 * r['load_share_of_ttft']:>12.1f}%")
     return "\n".join(lines)
 
 
@@ -148,7 +211,7 @@ def plot(summary: dict[str, list[dict]], path: Path, title: str) -> None:
         ax.plot([r["turn"] for r in rows], [r["ttft_median_ms"] for r in rows], marker="o", label=tier)
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT, median (ms)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -167,7 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm")
+    p.add_argument("--from-json", type=Path, metavar="FILE",
+                   help="print the table and draw the plot of an earlier run's bench_vllm.json (runs nothing)")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print(table(saved["summary"]))
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(saved["summary"], args.out / "bench_vllm.png", f"vllm serve, SmolLM2-135M {saved.get('dtype', 'float32')}, "
+                                                            f"CPU: {saved['setting']}")
+        print(f"wrote {args.out / 'bench_vllm.png'}")
+        return 0
     tiers = args.tiers.split(",")
     bad = [t for t in tiers if t not in TIERS]
     if bad:
@@ -175,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("conversations", "turns", "turn_tokens", "runs", "blocks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    from host_runtime.hymcache.vllm_serve import MAX_MODEL_LEN
+    fewest = MAX_MODEL_LEN // BLOCK_TOKENS + 1  # vLLM wants one sequence of max_model_len tokens, and a block more
+    if args.blocks < fewest:
+        p.error(f"--blocks {args.blocks}: vLLM needs at least {fewest} (one sequence of max_model_len "
+                f"{MAX_MODEL_LEN} tokens in blocks of {BLOCK_TOKENS}, and one more)")
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -200,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     setting = (f"{args.conversations} conversations x {args.turns} turns, >= {args.turn_tokens} new tokens a turn, "
                f"1 output token, vLLM KV {args.blocks} blocks x 128 tokens, {args.runs} interleaved runs")
-    (args.out / "bench_vllm.json").write_text(json.dumps({"setting": setting, "summary": summary, "runs": runs},
+    (args.out / "bench_vllm.json").write_text(json.dumps({"setting": setting, "dtype": args.dtype, "summary": summary,
+                                                          "runs": runs},
                                                          indent=1))
     plot(summary, args.out / "bench_vllm.png", f"vllm serve, SmolLM2-135M {args.dtype}, CPU: {setting}")
     print(f"wrote {args.out / 'bench_vllm.json'} and {args.out / 'bench_vllm.png'}")

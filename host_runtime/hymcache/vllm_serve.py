@@ -34,8 +34,19 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0
+MAX_MODEL_LEN = 4096     # tokens; vLLM refuses to start with fewer KV blocks than one sequence this long needs
 COUNTERS = {"prompt": "vllm:prompt_tokens_total", "local": "vllm:prefix_cache_hits_total",
             "external": "vllm:external_prefix_cache_hits_total"}
+# HyMCache's own counters in the same /metrics (vllm_connector.PROM_COUNTERS; prometheus-client adds _total)
+LOAD_COUNTERS = {"load_s": "hymcache:load_time_seconds_total", "loaded_bytes": "hymcache:loaded_bytes_total",
+                 "stored_tokens": "hymcache:num_stored_tokens_total"}
+
+
+def _why(log: str) -> str:
+    """What of a failed server's log says why: its first exceptions (the root cause comes before the traceback
+    of the process that noticed it), then its end."""
+    errors = [line for line in log.splitlines() if re.search(r"\w(Error|Exception): ", line)][:4]
+    return "\n".join([*errors, "...", log[-1500:]]) if errors else log[-3000:]
 
 
 def free_port() -> int:
@@ -65,7 +76,7 @@ class VllmServer:
 
     def __init__(self, model: Path | str | None = None, *, url: str | None = None, prefix_caching: bool = True,
                  kv_transfer: dict | None = None, dtype: str = "float32", blocks: int | None = None,
-                 max_model_len: int = 4096, log: Path | None = None, extra_args: tuple = (), env: dict | None = None):
+                 max_model_len: int = MAX_MODEL_LEN, log: Path | None = None, extra_args: tuple = (), env: dict | None = None):
         self.proc = None
         self._log_file = None
         if url is not None:
@@ -91,7 +102,7 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc is not None and self.proc.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-3000:] if self.log else ""
+                tail = _why(self.log.read_text(errors="replace")) if self.log else ""
                 raise ChmError(errno.EIO, f"vllm serve exited with status {self.proc.returncode} before it was "
                                           f"ready{f' (its log: {self.log})' if self.log else ''}\n{tail}")
             try:
@@ -126,12 +137,14 @@ class VllmServer:
         with _http(f"{self.base}/metrics", timeout=30) as r:
             return r.read().decode()
 
-    def counters(self) -> dict[str, float]:
-        """vLLM's prompt-token counters (prompt, local = prefix-cache hits, external = a connector's)."""
+    def counters(self, metrics: dict[str, str] = COUNTERS) -> dict[str, float]:
+        """Counters of ``/metrics`` summed over their labels, by the names of ``metrics`` (name -> metric; 0 for one
+        not there). Default: vLLM's prompt-token counters (prompt, local = prefix-cache hits, external = a
+        connector's)."""
         text = self.metrics_text()
         return {name: sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$",
                                                                  text, re.M))
-                for name, metric in COUNTERS.items()}
+                for name, metric in metrics.items()}
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -44,7 +44,8 @@ from host_runtime.hymcache.cli import HyMCacheSet  # noqa: E402
 from host_runtime.hymcache.connector import next_turn_prompt  # noqa: E402
 from host_runtime.hymcache.hf_model import ensure_hf_folder  # noqa: E402
 from host_runtime.hymcache.vllm_connector import LIVE, config_from_vllm  # noqa: E402
-from host_runtime.hymcache.vllm_serve import MODEL_NAME, VllmServer, connector_config, user_message  # noqa: E402
+from host_runtime.hymcache.vllm_serve import (LOAD_COUNTERS, MODEL_NAME, VllmServer, connector_config,  # noqa: E402
+                                              user_message)
 from tests.emulator.serve.serving import ROOT  # noqa: E402
 
 CS = 128            # chunk_size = vLLM's CPU block_size
@@ -237,6 +238,9 @@ def test_vllm_serve_exports_hymcache_counters_and_a_second_server_reuses_the_fir
         assert m.get("hymcache:num_hit_tokens_total") == hit3 >= 512  # what the first server stored
         assert m.get("hymcache:num_stored_tokens_total") == full[2] - hit3
         assert not m.get("hymcache:num_load_errors_total")
+        c = second.counters(LOAD_COUNTERS)  # what bench_vllm reads: the same counters, by these names
+        assert c == {"load_s": m["hymcache:load_time_seconds_total"], "loaded_bytes": m["hymcache:loaded_bytes_total"],
+                     "stored_tokens": full[2] - hit3}, c
     finally:
         second.stop()
 
