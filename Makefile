@@ -49,9 +49,12 @@ setup: $(STAMP) native libchm $(MODEL)
 $(MODEL): | $(STAMP)
 	$(PY) -m host_runtime.hymcache.hf_model $(dir $(MODEL))
 
-# The native core (frame table, eviction, prefetch, admission): built for the current sources, if not yet.
+# The native core (frame table, eviction, prefetch, admission), replay's native trace reader and native
+# Master table: each built for the current sources, if not yet.
 native: $(STAMP)
 	$(PY) -m emulator.native
+	$(PY) -m host_runtime.replay.native_reader_build
+	$(PY) -m host_runtime.hymcache.native_master_build
 
 # libchm.so, the driver's wire module and the Python binding (issue 3).
 PREFIX ?= /usr/local
