@@ -8,8 +8,13 @@ page an access is a read of the object's pages, and its first touch a write (dri
 is read, the rest written).
 The request's operation (get, set, delete) is not used.
 
+The formats ``native_reader.NATIVE_FORMATS`` names (csv, txt, oracleGeneral, lcs) are read by the native
+reader, pinned request for request to libCacheSim's (tests/host_runtime/test_native_reader.py): no Python object
+per request. A trace it does not read (``NativeUnsupported``), or one it refuses, goes to libCacheSim's own
+reader as every other format does, so a bad trace is reported in the words below, whichever reader found it.
+
 libCacheSim's C reader aborts the whole process on a file it cannot read (a missing file, a txt line that is
-not an id, a binary trace without its format), so the reading runs in a child process (``_lcs_child.py``);
+not an id, a binary trace without its format), so that reading runs in a child process (``_lcs_child.py``);
 its abort becomes a ValueError naming the file and libCacheSim's message.
 """
 
@@ -27,6 +32,8 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
+
+import numpy as np
 
 from .traces import Phase, Request, Stream, check_span, check_time_scale
 
@@ -262,24 +269,40 @@ class LibCacheSimTrace:
             raise ValueError(f"trace file {str(path)!r} does not exist")
         if path.stat().st_size == 0:  # libCacheSim aborts on an empty file; say what is wrong instead
             raise ValueError(f"{path}: no requests in the trace (the file is empty)")
-        self.times, self.obj_ids, self.sizes = self._read(path)
+        native = self._read_native(path)
+        self.times, self.obj_ids, self.sizes = native or self._read(path)
         if not self.times:
             raise ValueError(f"{path}: no requests in the trace (libCacheSim's {self.trace_format} reader found none)")
-        if self.trace_format == "csv":  # what libCacheSim's csv reader would read as 0 or 1 without a word
-            check_csv(path, self.trace_params, len(self.times), self.ignore_obj_size)
-        for i, (t, size) in enumerate(zip(self.times, self.sizes)):
+        if self.trace_format == "csv" and not native:  # what libCacheSim's reader would read as 0 or 1 silently
+            check_csv(path, self.trace_params, len(self.times), self.ignore_obj_size)  # (the native one refuses it)
+        times, sizes = np.frombuffer(self.times, np.int64), np.frombuffer(self.sizes, np.int64)
+        too_big = (sizes > 0) & ((sizes - 1) // self.block_bytes + 1 > MAX_OBJECT_BLOCKS)
+        for i in np.flatnonzero((times < 0) | (sizes < 0) | too_big)[:1].tolist():  # the first bad request
+            t, size = self.times[i], self.sizes[i]
             if t < 0:
                 raise ValueError(f"{path}: request {i + 1}: clock_time = {t} must be >= 0")
             if size < 0:
                 raise ValueError(f"{path}: request {i + 1}: obj_size = {size} must be >= 0")
-            if self._blocks(size) > MAX_OBJECT_BLOCKS:
-                raise ValueError(f"{path}: request {i + 1}: obj_size = {size} is {self._blocks(size)} blocks of "
-                                 f"{self.block_bytes} bytes, more than {MAX_OBJECT_BLOCKS}")
-        lo = min(range(len(self.times)), key=self.times.__getitem__)
-        hi = max(range(len(self.times)), key=self.times.__getitem__)
+            raise ValueError(f"{path}: request {i + 1}: obj_size = {size} is {self._blocks(size)} blocks of "
+                             f"{self.block_bytes} bytes, more than {MAX_OBJECT_BLOCKS}")
+        lo, hi = int(np.argmin(times)), int(np.argmax(times))  # the first of equal ones, as min()/max() take
         check_span(path, (self.times[hi] - self.times[lo]) * NS_PER_S * self.time_scale,
                    f"request {hi + 1} (clock_time {self.times[hi]})", f"request {lo + 1} (clock_time {self.times[lo]})",
                    self.time_scale, "s")
+
+    def _read_native(self, path: Path) -> tuple[array, array, array] | None:
+        """The trace by the native reader; None where it does not read it or refuses it (see the module)."""
+        from .native_reader import NATIVE_FORMATS, NativeTraceReader
+
+        if self.trace_format not in NATIVE_FORMATS:
+            return None
+        try:
+            with NativeTraceReader(path, self.trace_format, self.trace_params, self.ignore_obj_size,
+                                   self.limit) as reader:
+                columns = reader.read_all()
+        except ValueError:  # NativeUnsupported, or a trace it refuses: libCacheSim's reader says what it reads
+            return None
+        return tuple(array(typecode, column.tobytes()) for typecode, column in zip("qQq", columns))
 
     def _read(self, path: Path) -> tuple[array, array, array]:
         spec = {"path": str(path), "trace_type": TRACE_FORMATS[self.trace_format], "params": dict(self.trace_params),

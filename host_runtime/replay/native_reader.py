@@ -121,6 +121,8 @@ class NativeTraceReader:
     def read_batch(self, max_requests: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The next up to ``max_requests`` (default ``batch``) requests; empty arrays at the end."""
         n = self.batch if max_requests is None else max_requests
+        if self._reader is None:
+            raise ValueError(f"{self.path}: the reader is closed")
         times, obj_ids, sizes = np.empty(n, np.int64), np.empty(n, np.uint64), np.empty(n, np.int64)
         got = lib.tr_next_batch(self._reader, ffi.from_buffer("int64_t[]", times),
                                 ffi.from_buffer("uint64_t[]", obj_ids), ffi.from_buffer("int64_t[]", sizes), n)
@@ -154,8 +156,9 @@ class NativeTraceReader:
 
     def close(self) -> None:
         if self._reader is not None:
-            lib.tr_close(ffi.gc(self._reader, None))
-            self._reader = None
+            reader, self._reader = self._reader, None
+            ffi.gc(reader, None)  # detaches the destructor (it returns None, not the pointer)
+            lib.tr_close(reader)
 
     def __enter__(self) -> "NativeTraceReader":
         return self

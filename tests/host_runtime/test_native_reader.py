@@ -248,6 +248,11 @@ def test_batches_and_reset(traces):
     assert reader.read_batch()[0].size == 0 and reader.requests == len(expected)
     reader.reset()
     assert list(zip(*(c.tolist() for c in reader.read_all()))) == expected
+    with NativeTraceReader(path, "csv", case.params) as again:  # closed on leaving, once
+        assert list(zip(*(c.tolist() for c in again.read_batch(3)))) == expected[:3]
+    again.close()
+    with pytest.raises(ValueError, match="closed"):
+        again.read_batch()
 
 
 # ---- what libCacheSim cannot read right: an error naming the file, the line or record, the field, the value ----
