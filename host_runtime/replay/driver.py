@@ -12,8 +12,11 @@ event, so idle spans cost nothing and replay cost follows the accesses.
 
 How a request uses the device (its ``keys`` are the KV blocks of its context):
 
-* the host side is the HyMCache runtime's own ``Master`` (host_runtime/hymcache/master.py), in process
-  on the replay's virtual clock, with one node of one device (the Controller's capacity): it knows which
+* the host side is the HyMCache runtime's Master (host_runtime/hymcache/master.py): its decisions, made by
+  ``HOST_INDEX``, the native table of native_master.py (hymcache/native/master_table.c), which
+  tests/host_runtime/hymcache/test_native_master.py pins call for call to the Python Master (a whole replay
+  through each gives the same calls and report). In process on the replay's virtual clock, with one node of
+  one device (the Controller's capacity): it knows which
   blocks are stored and where (``master_key``: a replay key as the Master's 16-byte key). A request looks
   up its chain (the longest stored, complete prefix: a block is useless without its predecessors; the
   blocks found get read leases) and reads it; it asks ``put_start`` for the rest in one batch (the
@@ -92,7 +95,8 @@ from emulator.controller import Controller
 from emulator.errors import ChmError, WriteBufferFull
 from host_runtime.hymcache.clock import ManualClock
 from host_runtime.hymcache.manager import WINDOW_BYTES, window_blocks
-from host_runtime.hymcache.master import MAX_BATCH, Master
+from host_runtime.hymcache.master import MAX_BATCH
+from host_runtime.hymcache.native_master import NativeMaster
 from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
 
 from .prefill import PrefillModel, prefill_for_block
@@ -106,6 +110,7 @@ VARIANTS: dict[str, tuple[str, bool]] = {
 }
 DEFAULT_WINDOW_BYTES = WINDOW_BYTES  # the KV Manager's per-request window: ~128 MB of KV (8 x 16 MB, 4 x 32 MB)
 NS_PER_S = 1e9
+HOST_INDEX = NativeMaster  # the Master's decisions in C (module docstring); master.Master makes the same ones
 
 
 def master_key(key: int) -> bytes:
@@ -219,7 +224,7 @@ class Replay:
         # of one device; ``master_options``: its keyword arguments (lease_s, high_watermark, ...), else its defaults
         self.clock = ManualClock()
         self.master_options = dict(master_options or {})
-        self.master = Master(self.clock, **self.master_options)
+        self.master = HOST_INDEX(self.clock, **self.master_options)
         self.master.register_node(0, "replay", [DeviceInfo(0, "replay", cfg.capacity_bytes, 0)])
         self.requests = 0  # request ids for put_start
         self.revoked = 0  # refused writes given back (put_revoke); the Master's other revocations are put timeouts

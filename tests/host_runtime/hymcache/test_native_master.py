@@ -331,7 +331,7 @@ def replay_both(monkeypatch, make_workload, cfg, variant: str, **kwargs):
     results = []
     for cls in (Master, NativeMaster):
         made = []
-        monkeypatch.setattr(replay_driver, "Master", lambda clock, _cls=cls, **kw: made.append(
+        monkeypatch.setattr(replay_driver, "HOST_INDEX", lambda clock, _cls=cls, **kw: made.append(
             Recorder(_cls(clock, **kw))) or made[-1])
         replay = Replay(cfg, variant, make_workload(), progress=False, **kwargs)
         assert isinstance(replay.master.inner, cls)
