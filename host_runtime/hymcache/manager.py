@@ -58,12 +58,11 @@ from driver.errors import ChmError
 from host_runtime.hymcache.clock import Clock, WallClock
 from host_runtime.hymcache import auth
 from host_runtime.hymcache.messages import KEY_BYTES, MAX_REQUEST_ID, BlockLoc, DeviceInfo, ReadToken, to
+from host_runtime.hymcache.window import MIN_WINDOW_BLOCKS, WINDOW_BYTES, window_blocks
 from host_runtime.hymcache.rpc import (ANSWERS_PER_PASS, MAX_BLOCK_BYTES, Payload, RemoteError, RpcClient, RpcServer,
                                        RpcTimeout, TypedClient, call_of)
 
 LOOKUP_BATCH = 32              # keys per Master lookup, as the worker's Lookup
-WINDOW_BYTES = 128 << 20       # the paper's ~128 MB of KV per request
-MIN_WINDOW_BLOCKS = 2          # double buffering, whatever the block size
 REQUEST_TIMEOUT_S = 30.0
 MAX_HINT_KEYS = 1 << 16        # 65536 blocks: far past any context (bounds one call's work)
 WAIT_STEP_S = 0.002            # how often a blocked acquire looks again (a poll interval, not a deadline)
@@ -77,12 +76,6 @@ MANAGER_ROLES = {**{m: {"worker"} for m in ("hint", "acquire", "read", "write", 
                                              "lease")},
                  "progress": {"worker", "admin"}, "devices": {"worker", "admin", "monitor"},
                  "stats": {"admin", "monitor"}}
-
-
-def window_blocks(window_bytes: int, block_bytes: int) -> int:
-    """Blocks one request keeps staged (prefetched ahead of consumption): the window's worth of blocks,
-    never fewer than MIN_WINDOW_BLOCKS. The replayer and the serving simulation use the same rule."""
-    return max(MIN_WINDOW_BLOCKS, window_bytes // block_bytes)
 
 
 def _check_request_id(request_id) -> str:

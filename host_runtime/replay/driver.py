@@ -94,7 +94,7 @@ from emulator.config import Config, load_profile
 from emulator.controller import Controller
 from emulator.errors import ChmError, WriteBufferFull
 from host_runtime.hymcache.clock import ManualClock
-from host_runtime.hymcache.manager import WINDOW_BYTES, window_blocks
+from host_runtime.hymcache.window import WINDOW_BYTES, window_blocks
 from host_runtime.hymcache.master import MAX_BATCH
 from host_runtime.hymcache.native_master import NativeMaster
 from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
