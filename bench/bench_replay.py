@@ -7,9 +7,9 @@ Every measured run is a whole process, started here and timed from its start unt
 * the peer, ``python -c`` that imports ``libcachesim``, opens the same trace with its ``TraceReader`` (same
   format, same parameters) and runs ``process_trace`` with the same cache (LRU or S3FIFO).
 
-Peak RSS is each child's ``ru_maxrss`` as ``os.wait4`` reports it for that child alone (the kernel's figure
-for its process tree: the largest RSS any one process of it reached; ``chm replay`` reads libCacheSim
-traces in a child of its own, which counts).
+Peak RSS is each child's ``ru_maxrss`` as ``os.wait4`` reports it (the kernel's figure for its process tree:
+the largest RSS any one process of it reached), the child forked by a launcher of a few MiB, not by the bench
+(``run_process``).
 
 Cases (``--cases``; the defaults are issue 23's acceptance):
 
@@ -186,20 +186,33 @@ def peer_command(case: Case, trace: Path) -> list[str]:
     return [sys.executable, "-c", code, str(trace)]
 
 
+# Forks and times the measured command from a process of a few MiB. Linux keeps a process's peak RSS across
+# exec and starts a child's at its parent's RSS at fork time, so a child of the bench itself (hundreds of MiB
+# after writing the trace) would report at least that much, whatever it used.
+_LAUNCHER = """import os, sys, time
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{time.perf_counter() - t0} {usage.ru_maxrss} {os.waitstatus_to_exitcode(status)}")
+"""
+
+
 def run_process(argv: list[str], log: Path) -> dict:
-    """Run ``argv`` as a child (cwd: the repository, stdout and stderr to ``log``): its wall time from start to
-    exit, its peak RSS (``os.wait4``'s ``ru_maxrss``, that child alone) and its stdout. A failure raises,
-    with the end of its output."""
+    """Run ``argv`` as a child (cwd: the repository, stdout and stderr to ``log``), forked by a small launcher
+    (``_LAUNCHER``): its wall time from fork to exit, its peak RSS (``os.wait4``'s ``ru_maxrss``: its process
+    tree's largest) and its output. A failure raises, with the end of its output."""
+    measured = log.with_suffix(".rusage")
     with log.open("wb") as f:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, str(measured), *argv], cwd=ROOT,
+                       stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, check=True)
+    wall, maxrss_kib, returncode = measured.read_text().split()
     text = log.read_text(errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(argv)} exited {proc.returncode}:\n{text[-3000:]}")
-    return {"wall_s": wall, "rss_bytes": usage.ru_maxrss * 1024, "output": text}
+    if int(returncode) != 0:
+        raise RuntimeError(f"{shlex.join(argv)} exited {returncode}:\n{text[-3000:]}")
+    return {"wall_s": float(wall), "rss_bytes": int(maxrss_kib) * 1024, "output": text}
 
 
 # ------------------------------------------------------------------------------------------- end to end
