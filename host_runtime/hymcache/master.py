@@ -175,6 +175,26 @@ def _check_seconds(value, field: str, lo_exclusive: float = 0.0) -> float:
 
 # ---------------------------------------------------------------- one device's space
 
+def set_options(master, lease_s, lease_max_s, put_timeout_s, high_watermark, low_watermark, placement,
+                snapshot_every) -> None:
+    """Master's keyword options, checked (EINVAL naming the option), as ``master``'s attributes; NativeMaster's too."""
+    master.lease_s = _check_seconds(lease_s, "lease_s")
+    master.lease_max_s = _check_seconds(lease_max_s, "lease_max_s")
+    if master.lease_max_s < master.lease_s:
+        raise ChmError(errno.EINVAL, f"lease_max_s {lease_max_s} must be >= lease_s {lease_s}")
+    master.put_timeout_s = _check_seconds(put_timeout_s, "put_timeout_s")
+    for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ChmError(errno.EINVAL, f"{name} {value!r} must be in (0, 1]")
+    if not low_watermark <= high_watermark:
+        raise ChmError(errno.EINVAL, f"low_watermark {low_watermark} must be <= high_watermark {high_watermark}")
+    if placement not in PLACEMENTS:
+        raise ChmError(errno.EINVAL, f"placement {placement!r} must be one of {', '.join(PLACEMENTS)}")
+    master.snapshot_every = _check_int(snapshot_every, "snapshot_every", 1, 1 << 40)
+    master.high_watermark, master.low_watermark = float(high_watermark), float(low_watermark)
+    master.placement = placement
+
+
 class _Device:
     """Append-only allocation on one device: a write head, then freed extents in the order freed."""
 
@@ -241,20 +261,8 @@ class Master:
                  lease_max_s: float = 30.0, put_timeout_s: float = 30.0, high_watermark: float = 0.90,
                  low_watermark: float = 0.85, placement: str = "round_robin", snapshot_every: int = 100_000,
                  log: Callable[[str], None] | None = None, recover_damaged: bool = False):
-        self.lease_s = _check_seconds(lease_s, "lease_s")
-        self.lease_max_s = _check_seconds(lease_max_s, "lease_max_s")
-        if self.lease_max_s < self.lease_s:
-            raise ChmError(errno.EINVAL, f"lease_max_s {lease_max_s} must be >= lease_s {lease_s}")
-        self.put_timeout_s = _check_seconds(put_timeout_s, "put_timeout_s")
-        for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ChmError(errno.EINVAL, f"{name} {value!r} must be in (0, 1]")
-        if not low_watermark <= high_watermark:
-            raise ChmError(errno.EINVAL, f"low_watermark {low_watermark} must be <= high_watermark {high_watermark}")
-        if placement not in PLACEMENTS:
-            raise ChmError(errno.EINVAL, f"placement {placement!r} must be one of {', '.join(PLACEMENTS)}")
-        self.snapshot_every = _check_int(snapshot_every, "snapshot_every", 1, 1 << 40)
-        self.high_watermark, self.low_watermark, self.placement = float(high_watermark), float(low_watermark), placement
+        set_options(self, lease_s, lease_max_s, put_timeout_s, high_watermark, low_watermark, placement,
+                    snapshot_every)
         self.clock, self.log = clock, log or (lambda msg: None)
         self._lease_ms = math.ceil(self.lease_s * 1000)
         # Read leases are MACs under node secrets derived from this (auth.py). Random: this process's alone;

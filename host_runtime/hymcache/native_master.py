@@ -31,8 +31,8 @@ from driver.native import load_or_build
 
 from . import native_master_build as _build
 from .clock import Clock
-from .master import (MAX_DEVICE, MAX_LENGTH, MAX_NODE, PLACEMENTS, _check_int, _check_keys, _check_list,
-                     _check_seconds, _check_versions)
+from .master import (MAX_DEVICE, MAX_LENGTH, MAX_NODE, _check_int, _check_keys, _check_list, _check_versions,
+                     set_options)
 from .messages import BlockLoc, DeviceInfo, WriteLoc, to
 
 _COUNTERS = ("lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "put_blocks", "registered_blocks",
@@ -60,21 +60,8 @@ class NativeMaster:
                  mutation: str | None = None):
         if state_dir is not None:
             raise ChmError(errno.EINVAL, "the native replay index keeps no state dir (state_dir must be None)")
-        # Master.__init__'s checks, in its order
-        self.lease_s = _check_seconds(lease_s, "lease_s")
-        self.lease_max_s = _check_seconds(lease_max_s, "lease_max_s")
-        if self.lease_max_s < self.lease_s:
-            raise ChmError(errno.EINVAL, f"lease_max_s {lease_max_s} must be >= lease_s {lease_s}")
-        self.put_timeout_s = _check_seconds(put_timeout_s, "put_timeout_s")
-        for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ChmError(errno.EINVAL, f"{name} {value!r} must be in (0, 1]")
-        if not low_watermark <= high_watermark:
-            raise ChmError(errno.EINVAL, f"low_watermark {low_watermark} must be <= high_watermark {high_watermark}")
-        if placement not in PLACEMENTS:
-            raise ChmError(errno.EINVAL, f"placement {placement!r} must be one of {', '.join(PLACEMENTS)}")
-        self.snapshot_every = _check_int(snapshot_every, "snapshot_every", 1, 1 << 40)
-        self.high_watermark, self.low_watermark, self.placement = float(high_watermark), float(low_watermark), placement
+        set_options(self, lease_s, lease_max_s, put_timeout_s, high_watermark, low_watermark, placement,
+                    snapshot_every)  # Master.__init__'s checks
         self.clock, self.log = clock, log or (lambda msg: None)
         self.state_dir = None
         module = load_module(mutation)

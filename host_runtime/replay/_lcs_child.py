@@ -14,18 +14,21 @@ import sys
 from array import array
 
 
-def main(argv: list[str]) -> int:
+def open_reader(spec: dict):
+    """libcachesim's TraceReader of one spec (the module docstring's JSON object)."""
     import libcachesim as lcs
 
-    spec = json.loads(argv[1])
     params = lcs.ReaderInitParam(ignore_obj_size=spec["ignore_obj_size"])
     for attr, value in spec["params"].items():
         setattr(params, attr, value)
     if spec["limit"] is not None:
         params.cap_at_n_req = spec["limit"]
-    reader = lcs.TraceReader(spec["path"], getattr(lcs.TraceType, spec["trace_type"]), params)
+    return lcs.TraceReader(spec["path"], getattr(lcs.TraceType, spec["trace_type"]), params)
+
+
+def main(argv: list[str]) -> int:
     times, obj_ids, sizes = array("q"), array("Q"), array("q")
-    for req in reader:
+    for req in open_reader(json.loads(argv[1])):
         times.append(req.clock_time)
         obj_ids.append(req.obj_id)
         sizes.append(req.obj_size)

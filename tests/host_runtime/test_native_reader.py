@@ -25,19 +25,11 @@ import pytest
 from host_runtime.replay.lcs_trace import ORACLE_GENERAL_RECORD, TRACE_FORMATS, parse_trace_params
 from host_runtime.replay.native_reader import NATIVE_FORMATS, NativeTraceReader, NativeUnsupported, xxh3_64
 
-# libcachesim's reader through its binding, as host_runtime/replay/_lcs_child.py calls it, for many traces at once
+# libcachesim's reader through its binding, opened by host_runtime/replay/_lcs_child.py, for many traces at once
 _CHILD = r"""
 import json, sys
-import libcachesim as lcs
-out = []
-for spec in json.load(open(sys.argv[1])):
-    params = lcs.ReaderInitParam(ignore_obj_size=spec["ignore_obj_size"])
-    for attr, value in spec["params"].items():
-        setattr(params, attr, value)
-    if spec["limit"] is not None:
-        params.cap_at_n_req = spec["limit"]
-    reader = lcs.TraceReader(spec["path"], getattr(lcs.TraceType, spec["trace_type"]), params)
-    out.append([[r.clock_time, r.obj_id, r.obj_size] for r in reader])
+from host_runtime.replay._lcs_child import open_reader
+out = [[[r.clock_time, r.obj_id, r.obj_size] for r in open_reader(spec)] for spec in json.load(open(sys.argv[1]))]
 json.dump(out, open(sys.argv[2], "w"))
 """
 
