@@ -1090,10 +1090,14 @@ class ManagerServer(RpcServer):
                 if self.held:  # no sub-millisecond poll timeout in ZeroMQ: a short sleep between looks
                     time.sleep(LOOK_STEP_S)
                 if poller.poll(0 if self.held else int(self.tick_s * 1000)):
-                    self._disconnects()  # first: an fd closed before a new connection reused it
+                    self._disconnects()
                     for _ in range(ANSWERS_PER_PASS):  # then the held calls' turn, however many more are queued
                         if not self.sock.poll(0):
                             break
+                        # Before each message, not once a pass: a connection closed during the pass may have
+                        # its fd reused by one whose message is next; its DISCONNECTED event, queued before that
+                        # message, must not then cancel the new caller's requests.
+                        self._disconnects()
                         frames = self.sock.recv_multipart(copy=False)
                         if len(frames) >= 3:
                             caller = frames[0].bytes
