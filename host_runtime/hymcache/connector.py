@@ -55,7 +55,7 @@ from driver.errors import ChmError
 
 from . import auth
 from .clock import Clock, WallClock
-from .engine import PagedEngine, layer_name
+from .step import layer_name
 from .keys import ModelFingerprint, block_keys
 from .messages import BlockLoc, DeviceInfo, WriteLoc, to
 
@@ -434,7 +434,7 @@ class HyMCacheConnector:
 
     def _scheduled(self, scheduler_output) -> list:
         """The step's requests: objects with request_id, prompt_token_ids, block_ids (engine block ids, one
-        per chunk), num_computed_tokens (before the step) and num_scheduled_tokens (engine.ScheduledRequest)."""
+        per chunk), num_computed_tokens (before the step) and num_scheduled_tokens (step.ScheduledRequest)."""
         return scheduler_output.scheduled
 
     def _finish_on(self, request_id: str, nodes) -> None:
@@ -900,6 +900,8 @@ def chat(master=None, turns: int = 4, conversations: int = 3, *, curve_keys: str
     reused_tokens (loaded from the devices), recomputed_tokens (prefilled here), loaded_bytes,
     skipped_stores, identical, device_ms (modelled device time of the turn's loads and stores) and
     ttft_ms (wall time to the first token)."""
+    from .engine import PagedEngine  # the test fixture engine: only this in-process chat runs it
+
     for name, value, high in (("turns", turns, 1000), ("conversations", conversations, 1000),
                               ("max_tokens", max_tokens, 4096)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:

@@ -33,11 +33,7 @@ from driver.errors import ChmError
 
 from .clock import Clock, WallClock
 
-LAYER_NAME = "model.layers.{}.self_attn.attn"  # vLLM's attention layer names
-
-
-def layer_name(layer: int) -> str:
-    return LAYER_NAME.format(layer)
+from .step import ScheduledRequest, SchedulerOutput, layer_name
 
 
 def _positive_int(name: str, value, high: int = 1 << 40) -> int:
@@ -91,28 +87,6 @@ class KVCacheBlocks:
 
     def get_unhashed_block_ids(self) -> list[int]:
         return list(self._ids)
-
-
-@dataclass
-class ScheduledRequest:
-    """One request in a step: NewRequestData / CachedRequestData of vLLM folded into one."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int       # before this step
-    num_scheduled_tokens: int
-    is_new: bool                   # first time scheduled (or scheduled again after a load error)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    finished_req_ids: set[str]     # finished since the last step (vLLM passes them to get_finished)
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_scheduled_tokens for s in self.scheduled}
 
 
 @dataclass

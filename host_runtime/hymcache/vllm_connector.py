@@ -93,7 +93,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from . import connector as hc
-from .engine import ScheduledRequest
+from .step import ScheduledRequest
 from .metrics import PREFIX as PROM_PREFIX
 
 if TYPE_CHECKING:

@@ -462,7 +462,7 @@ def test_a_chunk_of_two_vllm_blocks_round_trips_whole_tiles(dtype):
     cache and loaded into blocks (0, 7) of another, every tile arrives whole and in place."""
     import torch
 
-    from host_runtime.hymcache.engine import layer_name
+    from host_runtime.hymcache.step import layer_name
     from host_runtime.hymcache.vllm_connector import HyMCacheWorker
 
     cfg = config_from_vllm({"master_endpoint": "tcp://127.0.0.1:1", "chunk_size": 256, "staging_buffer_size": 0.01},
