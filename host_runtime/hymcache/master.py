@@ -195,6 +195,29 @@ def set_options(master, lease_s, lease_max_s, put_timeout_s, high_watermark, low
     master.placement = placement
 
 
+def check_registration(node, endpoint, devices) -> tuple[int, list[DeviceInfo]]:
+    """``register_node``'s arguments checked (EINVAL naming the field): the node and its devices as DeviceInfo."""
+    node = _check_int(node, "node", 0, MAX_NODE)
+    if not isinstance(endpoint, str) or len(endpoint) > 1024:
+        raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a string of at most 1024 characters")
+    devices = _check_list(devices, "devices")
+    try:
+        devices = to(list[DeviceInfo], devices)
+    except msgspec.ValidationError as exc:
+        raise ChmError(errno.EINVAL, f"devices: {exc}") from None
+    if not devices:
+        raise ChmError(errno.EINVAL, f"node {node}: devices is empty; a node needs at least one device")
+    seen = set()
+    for i, d in enumerate(devices):
+        _check_int(d.device, f"devices[{i}].device", 0, MAX_DEVICE)
+        _check_int(d.capacity_bytes, f"devices[{i}].capacity_bytes", 1, (1 << 63) - 1)
+        _check_int(d.epoch, f"devices[{i}].epoch", 0, (1 << 64) - 1)
+        if d.device in seen:
+            raise ChmError(errno.EINVAL, f"devices[{i}].device {d.device} appears twice")
+        seen.add(d.device)
+    return node, devices
+
+
 class _Device:
     """Append-only allocation on one device: a write head, then freed extents in the order freed."""
 
@@ -392,24 +415,7 @@ class Master:
         """A KV Manager announces its node. A device whose epoch or capacity changed loses its blocks. ``caller``
         (served with keys): the node key calling; once a key registered a node, only that key may register it
         again. Served, the answer is the node's lease secret (``node_secret``)."""
-        node = _check_int(node, "node", 0, MAX_NODE)
-        if not isinstance(endpoint, str) or len(endpoint) > 1024:
-            raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a string of at most 1024 characters")
-        devices = _check_list(devices, "devices")
-        try:
-            devices = to(list[DeviceInfo], devices)
-        except msgspec.ValidationError as exc:
-            raise ChmError(errno.EINVAL, f"devices: {exc}") from None
-        if not devices:
-            raise ChmError(errno.EINVAL, f"node {node}: devices is empty; a node needs at least one device")
-        seen = set()
-        for i, d in enumerate(devices):
-            _check_int(d.device, f"devices[{i}].device", 0, MAX_DEVICE)
-            _check_int(d.capacity_bytes, f"devices[{i}].capacity_bytes", 1, (1 << 63) - 1)
-            _check_int(d.epoch, f"devices[{i}].epoch", 0, (1 << 64) - 1)
-            if d.device in seen:
-                raise ChmError(errno.EINVAL, f"devices[{i}].device {d.device} appears twice")
-            seen.add(d.device)
+        node, devices = check_registration(node, endpoint, devices)
         self._check_node_key(node, caller)
         with self._lock:
             now = self._now_ms()

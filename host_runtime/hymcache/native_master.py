@@ -24,16 +24,13 @@ import math
 from types import ModuleType
 from typing import Callable
 
-import msgspec
-
 from driver.errors import ChmError
 from driver.native import load_or_build
 
 from . import native_master_build as _build
 from .clock import Clock
-from .master import (MAX_DEVICE, MAX_LENGTH, MAX_NODE, _check_int, _check_keys, _check_list, _check_versions,
-                     set_options)
-from .messages import BlockLoc, DeviceInfo, WriteLoc, to
+from .master import MAX_LENGTH, _check_int, _check_keys, _check_list, _check_versions, check_registration, set_options
+from .messages import BlockLoc, DeviceInfo, WriteLoc
 
 _COUNTERS = ("lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "put_blocks", "registered_blocks",
              "revoked_blocks", "removed_blocks", "evictions", "stale_blocks", "put_no_space")
@@ -110,20 +107,7 @@ class NativeMaster:
 
     def register_node(self, node: int, endpoint: str, devices: list, *, caller=None) -> None:
         """One node of one device; registering it again must repeat it (endpoint aside)."""
-        node = _check_int(node, "node", 0, MAX_NODE)
-        if not isinstance(endpoint, str) or len(endpoint) > 1024:
-            raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a string of at most 1024 characters")
-        devices = _check_list(devices, "devices")
-        try:
-            devices = to(list[DeviceInfo], devices)
-        except msgspec.ValidationError as exc:
-            raise ChmError(errno.EINVAL, f"devices: {exc}") from None
-        if not devices:
-            raise ChmError(errno.EINVAL, f"node {node}: devices is empty; a node needs at least one device")
-        for i, d in enumerate(devices):
-            _check_int(d.device, f"devices[{i}].device", 0, MAX_DEVICE)
-            _check_int(d.capacity_bytes, f"devices[{i}].capacity_bytes", 1, (1 << 63) - 1)
-            _check_int(d.epoch, f"devices[{i}].epoch", 0, (1 << 64) - 1)
+        node, devices = check_registration(node, endpoint, devices)  # Master's checks
         if len(devices) != 1:
             raise ChmError(errno.EINVAL, f"node {node}: the native replay index holds one device, got {len(devices)}")
         info = devices[0]
