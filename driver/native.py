@@ -7,6 +7,7 @@ once."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib
 import os
 import shutil
@@ -14,6 +15,25 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
+
+
+CDEF_BEGIN, CDEF_END = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
+
+
+def cdef_of(header: Path) -> str:
+    """The cffi-parsable part of a header: the text between its cdef markers."""
+    text = header.read_text()
+    return text[text.index(CDEF_BEGIN) + len(CDEF_BEGIN): text.index(CDEF_END)]
+
+
+def source_digest(sources, cflags) -> str:
+    """12 hex digits of the sources' bytes and the compiler flags: the suffix of a module built from them, so a
+    process never loads a module built from other sources."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(Path(path).read_bytes())
+    digest.update(" ".join(cflags).encode())
+    return digest.hexdigest()[:12]
 
 
 def compile_into(ffi, folder: Path) -> Path:

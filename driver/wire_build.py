@@ -13,6 +13,8 @@ from pathlib import Path
 
 import cffi
 
+from driver import native
+
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
 MODULE = "driver._wire"
@@ -36,10 +38,8 @@ def expand_stats_fields(text: str) -> str:
 
 
 def cdef_of(header: Path) -> str:
-    """The cffi-parsable part of a header: the text between its cdef markers."""
-    text = header.read_text()
-    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
-    return expand_stats_fields(text[text.index(begin) + len(begin): text.index(end)])
+    """The cffi-parsable part of a header (driver.native.cdef_of), its stats field list expanded."""
+    return expand_stats_fields(native.cdef_of(header))
 
 
 def make_ffi() -> cffi.FFI:

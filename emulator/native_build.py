@@ -15,12 +15,11 @@ header) compile one planted wrong decision in, as a module of their own:
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import cffi
 
-from driver.native import compile_into
+from driver.native import cdef_of, compile_into, source_digest
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "native"
@@ -32,19 +31,9 @@ CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off"]
 MUTATION_ENV = "CHM_CORE_MUTATION"  # tests only: emulator.native loads the variant this names
 
 
-def cdef_of(header: Path) -> str:
-    """The cffi-parsable part of a header: the text between its cdef markers."""
-    text = header.read_text()
-    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
-    return text[text.index(begin) + len(begin): text.index(end)]
-
-
 def module_name(mutation: str | None = None) -> str:
     """``emulator._chm_core_<digest of sources and flags>``, with ``_<mutation>`` for a test variant."""
-    digest = hashlib.sha256()
-    for part in (HEADER.read_bytes(), SOURCE.read_bytes(), " ".join(CFLAGS).encode()):
-        digest.update(part)
-    name = f"{PACKAGE}._chm_core_{digest.hexdigest()[:12]}"
+    name = f"{PACKAGE}._chm_core_{source_digest((HEADER, SOURCE), CFLAGS)}"
     return f"{name}_{mutation.lower()}" if mutation else name
 
 

@@ -13,12 +13,11 @@ wrong decision in, as a module of their own: the side-by-side tests must catch i
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import cffi
 
-from driver.native import compile_into
+from driver.native import cdef_of, compile_into, source_digest
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "native"
@@ -29,20 +28,10 @@ CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off"]
 LOCK = NATIVE / "build.lock"  # git-ignored (native/.gitignore)
 
 
-def cdef_of(header: Path) -> str:
-    """The cffi-parsable part of a header: the text between its cdef markers."""
-    text = header.read_text()
-    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
-    return text[text.index(begin) + len(begin): text.index(end)]
-
-
 def module_name(mutation: str | None = None) -> str:
     """``host_runtime.hymcache._master_table_<digest of sources and flags>``, ``_<mutation>`` for a test
     variant."""
-    digest = hashlib.sha256()
-    for part in (HEADER.read_bytes(), SOURCE.read_bytes(), " ".join(CFLAGS).encode()):
-        digest.update(part)
-    name = f"{PACKAGE}._master_table_{digest.hexdigest()[:12]}"
+    name = f"{PACKAGE}._master_table_{source_digest((HEADER, SOURCE), CFLAGS)}"
     return f"{name}_{mutation.lower()}" if mutation else name
 
 

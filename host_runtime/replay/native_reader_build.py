@@ -10,12 +10,11 @@ earlier sources; it prints the module's path.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import cffi
 
-from driver.native import compile_into
+from driver.native import cdef_of, compile_into, source_digest
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "native"
@@ -27,19 +26,9 @@ CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"]
 LOCK = NATIVE / "build.lock"  # git-ignored (native/.gitignore)
 
 
-def cdef_of(header: Path) -> str:
-    """The cffi-parsable part of a header: the text between its cdef markers."""
-    text = header.read_text()
-    begin, end = "/* ---- cdef begin ---- */", "/* ---- cdef end ---- */"
-    return text[text.index(begin) + len(begin): text.index(end)]
-
-
 def module_name() -> str:
     """``host_runtime.replay._trace_reader_<digest of sources and flags>``."""
-    digest = hashlib.sha256()
-    for part in [path.read_bytes() for path in SOURCES] + [" ".join(CFLAGS).encode()]:
-        digest.update(part)
-    return f"{PACKAGE}._trace_reader_{digest.hexdigest()[:12]}"
+    return f"{PACKAGE}._trace_reader_{source_digest(SOURCES, CFLAGS)}"
 
 
 def make_ffi() -> cffi.FFI:
