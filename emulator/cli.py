@@ -2,7 +2,9 @@
 
 Subcommands are found through the ``chm.commands`` entry points (see
 pyproject.toml): each is a function ``register(subparsers)`` that adds a
-parser whose ``func(args)`` runs it and returns the exit status.
+parser whose ``func(args)`` runs it and returns the exit status. A command line
+naming a subcommand loads only that entry point (``build_parser(command)``), so a
+subcommand's start pays for its own imports alone.
 
 Errors, one convention for every subcommand, applied by ``run()`` alone:
 ``chm CMD: error: MESSAGE`` on stderr; exit 2 for usage errors (argparse's, or
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from importlib.metadata import entry_points
 
 from .errors import ChmError
 from .units import format_bytes
@@ -44,16 +45,24 @@ class ChmArgumentParser(argparse.ArgumentParser):
         return ns, rest
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """``chm``'s parser with every subcommand, or only ``command``'s if an entry point has that name (a command
+    line naming one loads only that component: its start does not pay for every other's imports)."""
+    from importlib.metadata import entry_points  # here: a module importing this one's helpers need not pay for it
+
     parser = ChmArgumentParser(prog="chm", description="CXL hybrid-memory device emulator and tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for ep in sorted(entry_points(group="chm.commands"), key=lambda e: e.name):
+    eps = sorted(entry_points(group="chm.commands"), key=lambda e: e.name)
+    if any(ep.name == command for ep in eps):
+        eps = [ep for ep in eps if ep.name == command]
+    for ep in eps:
         ep.load()(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return run(build_parser(argv[0] if argv else None), argv)
 
 
 def _describe(exc: BaseException) -> str:
@@ -98,8 +107,8 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
 
 
 def run_subcommand(register, command: str, argv: list[str] | None = None) -> int:
-    """``chm COMMAND ...`` with only ``register``'s subcommands loaded (``python -m`` of a component: a faster
-    start than ``chm``, which loads every component's)."""
+    """``chm COMMAND ...`` with only ``register``'s subcommands loaded (``python -m`` of a component: no entry
+    point lookup; ``chm COMMAND`` loads only COMMAND's component too, ``chm --help`` every one)."""
     parser = ChmArgumentParser(prog="chm")
     register(parser.add_subparsers(dest="command", metavar="COMMAND"))
     return run(parser, [command, *(sys.argv[1:] if argv is None else argv)])

@@ -28,7 +28,6 @@ API (also for callers outside the emulator, e.g. ``chm replay``):
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import pkgutil
 import re
 from dataclasses import replace
@@ -191,6 +190,8 @@ def _resolve(name: str) -> type[Policy]:
 
 
 def _entry_points():
+    import importlib.metadata  # here, not at the top: ~20 ms of start-up that only a plug-in name needs
+
     return importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)  # looked up at call time: tests patch it
 
 

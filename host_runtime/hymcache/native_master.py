@@ -5,7 +5,7 @@ ones for the calls ``host_runtime/replay/driver.py`` makes -- ``register_node`` 
 ``put_start``, ``put_end``, ``put_revoke``, ``expire``/``tick`` on its clock, ``stats`` and ``counters``
 -- plus ``remove``, and tests/host_runtime/hymcache/test_native_master.py runs both side by side and demands
 the same answers, rows and allocator state (``master_table.h`` lists what is matched). Same signatures,
-same validation (master.py's own checks), same errors (errno and text), so the replay can take it in
+same validation (the Master's own checks, checks.py), same errors (errno and text), so the replay can take it in
 Master's place: ``NativeMaster(clock, **master_options)``.
 
 Not served (no RpcServer), no ``state_dir`` (no journal), one node of one device (a second registration
@@ -29,7 +29,7 @@ from driver.native import load_or_build
 
 from . import native_master_build as _build
 from .clock import Clock
-from .master import MAX_LENGTH, _check_int, _check_keys, _check_list, _check_versions, check_registration, set_options
+from .checks import MAX_LENGTH, _check_int, _check_keys, _check_list, _check_versions, check_registration, set_options
 from .messages import BlockLoc, DeviceInfo, WriteLoc
 
 _COUNTERS = ("lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "put_blocks", "registered_blocks",

@@ -15,7 +15,7 @@ from .driver import DEFAULT_WINDOW_BYTES, VARIANTS, Replay, replay_config
 from .lcs_trace import TRACE_FORMATS, LibCacheSimTrace, parse_trace_params, trace_format
 from .models import MODELS, get_model, parse_bytes
 from .prefill import DEFAULT_GPU, FALLBACK_MODEL, gpu_names, load_gpu, prefill_for_block
-from .report import format_recompute, format_summary, format_table, write_outputs
+from .report import format_recompute, format_summary, format_table, write_outputs, wrote
 from .traces import (TIME_SCALE_RANGE, WINDOW_S_RANGE, ConversationGenerator, HymcacheMicrobench, MooncakeTrace,
                      RandomReadBench, check_mooncake_tokens_per_block)
 
@@ -102,7 +102,9 @@ def register(sub) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--window-s", type=float_in(*WINDOW_S_RANGE), default=600.0,
                    help="report row width for time-ordered workloads")
-    g.add_argument("--out", metavar="DIR", help="write replay.json and replay.png here")
+    g.add_argument("--out", metavar="DIR", help="write replay.json and replay.png here (--sweep: sweep.json and "
+                                                "sweep.png)")
+    g.add_argument("--no-plot", action="store_true", help="--out: write the JSON only, no PNG (no matplotlib)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("sweep (Dask distributed)")
     g.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2,...",
@@ -262,8 +264,7 @@ def run(args) -> int:
     for r in results:
         print(format_summary(r))
     if args.out:
-        json_path, png_path = write_outputs(results, args.out, "replay")
-        print(f"wrote {json_path} and {png_path}")
+        print(wrote(*write_outputs(results, args.out, "replay", png=not args.no_plot)))
     return 0
 
 
@@ -298,6 +299,5 @@ def run_sweep_command(args) -> int:
     print(format_recompute(results[0]))
     print(format_sweep(results))
     if args.out:
-        json_path, png_path = write_sweep(results, args.out)
-        print(f"wrote {json_path} and {png_path}")
+        print(wrote(*write_sweep(results, args.out, png=not args.no_plot)))
     return 0

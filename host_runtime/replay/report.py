@@ -112,10 +112,19 @@ def plot(results: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def write_outputs(results: list[dict], out_dir: str | Path, stem: str, title: str = "") -> tuple[Path, Path]:
+def write_outputs(results: list[dict], out_dir: str | Path, stem: str, title: str = "",
+                  png: bool = True) -> tuple[Path, Path | None]:
+    """``STEM.json`` and (``png``) ``STEM.png`` in ``out_dir``: their paths, None for a plot not drawn."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
     save_json(results, json_path)
+    if not png:
+        return json_path, None
     plot(results, png_path, title)
     return json_path, png_path
+
+
+def wrote(*paths: Path | None) -> str:
+    """The "wrote ..." line naming the files written (a None path: not written)."""
+    return "wrote " + " and ".join(str(p) for p in paths if p is not None)

@@ -300,15 +300,18 @@ def plot_sweep(results: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def write_sweep(results: list[dict], out_dir: str | Path, title: str = "", plot=None) -> tuple[Path, Path]:
-    """``sweep.json`` (the results) and ``sweep.png`` (``plot(results, path, title)``; default this module's
-    ``plot_sweep``) in ``out_dir``."""
+def write_sweep(results: list[dict], out_dir: str | Path, title: str = "", plot=None,
+                png: bool = True) -> tuple[Path, Path | None]:
+    """``sweep.json`` (the results) and (``png``) ``sweep.png`` (``plot(results, path, title)``; default this
+    module's ``plot_sweep``) in ``out_dir``: their paths, None for a plot not drawn."""
     import json
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / "sweep.json", out / "sweep.png"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
+    if not png:
+        return json_path, None
     (plot or plot_sweep)(results, png_path, title)
     return json_path, png_path
 
