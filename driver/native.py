@@ -61,3 +61,20 @@ def load_or_build(module: str, build: Callable[[], object], lock_path: Path) -> 
             build()
             importlib.invalidate_caches()
             return importlib.import_module(module)
+
+
+def stale_modules(folder: Path, module: str) -> list[Path]:
+    """Modules in ``folder`` built from earlier sources than ``module`` (``package._name_<digest>``): the same
+    ``_name_``, another digest."""
+    current = module.rsplit(".", 1)[1]
+    stem = current.rsplit("_", 1)[0]
+    return [p for p in folder.glob(f"{stem}_*.so") if not p.name.startswith(current)]
+
+
+def build_main(module: str, build: Callable[[], object], lock_path: Path, folder: Path) -> None:
+    """``python -m <build module>``: build ``module`` for the current sources if missing, remove the ones built
+    from earlier sources, print its path."""
+    loaded = load_or_build(module, build, lock_path)
+    for old in stale_modules(folder, module):
+        old.unlink()
+    print(loaded.__file__)

@@ -88,14 +88,14 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tqdm import tqdm
+import numpy as np
 
 from emulator.config import Config, load_profile
 from emulator.controller import Controller
 from emulator.errors import ChmError, WriteBufferFull
 from host_runtime.hymcache.clock import ManualClock
 from host_runtime.hymcache.window import WINDOW_BYTES, window_blocks
-from host_runtime.hymcache.master import MAX_BATCH
+from host_runtime.hymcache.checks import MAX_BATCH
 from host_runtime.hymcache.native_master import NativeMaster
 from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
 
@@ -154,15 +154,26 @@ class Bucket:
     first_write: float = math.inf
     last_write: float = 0.0
     read_latency_ns: array = field(default_factory=lambda: array("d"))
+    # the native loop's: the distinct latencies, ascending, and how often each came (instead of read_latency_ns)
+    latency_counts: tuple | None = None
+
+    def percentile_ms(self, p: float) -> float:
+        """The p-th percentile read latency (ms): the sorted latencies' element ``int(p / 100 * n)``."""
+        if self.latency_counts is None:
+            lat = sorted(self.read_latency_ns)
+            return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] / 1e6 if lat else 0.0
+        values, counts = self.latency_counts
+        cumulative = np.cumsum(counts)
+        n = int(cumulative[-1]) if len(cumulative) else 0
+        if not n:
+            return 0.0
+        return float(values[np.searchsorted(cumulative, min(n - 1, int(p / 100 * n)), side="right")]) / 1e6
 
     def row(self, window_ns: float | None, flops_per_s: float = math.inf) -> dict:
         def gbps(nbytes, span):  # GB/s is bytes per ns
             return nbytes / span if span > 0 else 0.0
 
-        lat = sorted(self.read_latency_ns)
-
-        def pct(p):
-            return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] / 1e6 if lat else 0.0
+        pct = self.percentile_ms
 
         pages = self.hit_pages + self.miss_pages
         return {
@@ -202,7 +213,10 @@ class Replay:
     def __init__(self, cfg: Config, variant: str, workload: Workload, window_bytes: int = DEFAULT_WINDOW_BYTES,
                  bucket_ns: float = 600e9, progress: bool = True, record_ops: bool = False,
                  sequential: bool = False, prefill: PrefillModel | None = None,
-                 master_options: Mapping[str, Any] | None = None):
+                 master_options: Mapping[str, Any] | None = None, native: bool | None = None):
+        self._init = (cfg, variant, workload, dict(window_bytes=window_bytes, bucket_ns=bucket_ns, progress=progress,
+                                                   record_ops=record_ops, sequential=sequential, prefill=prefill,
+                                                   master_options=master_options, native=native))
         if variant not in VARIANTS:
             raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
         if cfg.emulation.data:
@@ -248,6 +262,10 @@ class Replay:
         # recomputation (module docstring): keys some request has looked up, and their prefill cost
         self.prefill = prefill if prefill is not None else prefill_for_block(self.block_bytes)
         self.known: set[int] = set()
+        # the request loop in C (native_replay.py) where it can run (None: wherever it can; False: never;
+        # True: it must); the Python loop below is its specification
+        self.native = native
+        self.native_loop = None
 
     # ---- accounting ----------------------------------------------------------------
     def _bucket_at(self, now: float) -> Bucket:
@@ -477,14 +495,29 @@ class Replay:
                 self._put_finish(written, [], now)
         return self.ctl.flush(now)
 
+    def _progress_bar(self, total: int | None):
+        if not self.progress:
+            return _NoProgress()
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="blk", unit_scale=True, desc=f"{self.workload.name}/{self.variant}",
+                    mininterval=1.0, leave=False)
+
     def run(self) -> dict:
+        if self.native is not False:
+            from .native_replay import native_problem
+
+            problem = native_problem(self)
+            if problem is None:
+                return self._run_native()
+            if self.native:
+                raise ValueError(f"the native replay loop cannot run this replay: {problem}")
         wall0, cpu0 = time.perf_counter(), time.process_time()
         phases = list(self.workload.phases())
         total_blocks = sum(len(r.keys) for p in phases for s in p.streams for r in s.requests)
         now = self._populate(self.workload.populate_keys(), 0.0)
         t_start = now
-        self.pbar = tqdm(total=total_blocks, unit="blk", unit_scale=True, disable=not self.progress,
-                         desc=f"{self.workload.name}/{self.variant}", mininterval=1.0, leave=False)
+        self.pbar = self._progress_bar(total_blocks)
         try:
             for phase in phases:
                 if not self.by_time:
@@ -514,6 +547,58 @@ class Replay:
         wall = time.perf_counter() - wall0
         return self._result(t_start, now, wall, time.process_time() - cpu0)
 
+    def _run_native(self, whole: bool = False) -> dict:
+        """``run`` on the native loop (native_replay.py). ``whole``: each phase fed whole before it runs (a trace
+        out of time order: the first attempt stops at its first request out of order and this runs afresh)."""
+        from .native_replay import NativeLoop, OutOfOrder
+
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        now = self._populate(self.workload.populate_keys(), 0.0)
+        t_start = now
+        loop = self.native_loop = NativeLoop(self)
+        loop.add_known(self.known)
+        self.pbar = self._progress_bar(getattr(self.workload, "total_blocks", None))
+        try:
+            now = self._feed_native(loop, now, whole)
+        except OutOfOrder:
+            if whole:
+                raise RuntimeError("the native replay loop found a stream out of order in a phase fed whole")
+            cfg, variant, workload, kwargs = self._init
+            fresh = Replay(cfg, variant, workload, **kwargs)
+            result = fresh._run_native(whole=True)
+            self.__dict__.update(fresh.__dict__)
+            return result
+        finally:
+            self.pbar.close()
+        loop.finish()
+        return self._result(t_start, now, time.perf_counter() - wall0, time.process_time() - cpu0)
+
+    def _feed_native(self, loop, now: float, whole: bool) -> float:
+        """Every phase of the workload through the loop; the run's end."""
+        lib, workload, pbar = loop.lib, self.workload, self.pbar
+        more = lib.RP_FEED_HOLD if whole else lib.RP_FEED_MORE
+        batches = getattr(workload, "native_batches", None)
+        if batches is not None:  # a trace: one phase, in batches of arrays
+            loop.phase_begin(now, "trace")
+            for kind, args in batches(whole):  # the phase's end runs what is left
+                if kind == "objects":
+                    loop.feed_objects(*args, final=more)
+                else:
+                    loop.feed(*args, final=more)
+                pbar.update(loop.blocks_done())
+            now = loop.phase_end()
+            pbar.update(loop.blocks_done())
+            if hasattr(workload, "counted"):
+                c = loop.counts()
+                workload.counted(c.requests, c.objects, c.block_refs)
+            return now
+        for phase in workload.phases():
+            loop.phase_begin(now, phase.label)
+            loop.feed_phase(phase)
+            now = loop.phase_end()
+            pbar.update(loop.blocks_done())
+        return now
+
     def _result(self, t_start: float, t_end: float, wall_s: float, cpu_s: float) -> dict:
         window = self.bucket_ns if self.by_time else None
         flops_per_s = self.prefill.gpu.flops_per_s
@@ -527,6 +612,11 @@ class Replay:
             total.first_read, total.last_read = min(total.first_read, b.first_read), max(total.last_read, b.last_read)
             total.first_write, total.last_write = min(total.first_write, b.first_write), max(total.last_write, b.last_write)
             total.read_latency_ns.extend(b.read_latency_ns)
+        native_rows = [b.latency_counts for b in self.buckets.values() if b.latency_counts is not None]
+        if native_rows:
+            values = np.concatenate([v for v, _ in native_rows])
+            order = np.argsort(values, kind="stable")
+            total.latency_counts = (values[order], np.concatenate([c for _, c in native_rows])[order])
         snap = self.ctl.snapshot()
         page = self.cfg.device.page_size_bytes
         block_ops = total.reads + total.writes + total.refused_writes
@@ -597,6 +687,16 @@ class Replay:
         slot = self.slot_bytes
         device_bound = self.cfg.policy.prefetch_window_bytes
         return device_bound if concurrency is None else min(device_bound, concurrency * self.window_blocks * slot)
+
+
+class _NoProgress:
+    """The progress bar when none is shown."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def run_replay(workload: Workload, profile: str, variant: str, overrides: Mapping[str, Any] | None = None,

@@ -240,6 +240,84 @@ def _short_row(path: Path, line_row: tuple[int, list], columns: Mapping[str, int
                      f"from 1; libCacheSim would read a missing column as 0)")
 
 
+_READ_AHEAD = 4  # batches a reader thread decodes ahead of the replay
+
+
+def _read_ahead(open_reader) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The batches of ``open_reader()`` (a NativeTraceReader), decoded by a thread of their own while the caller
+    uses the ones before (the reader's C call lets go of the GIL: the replay's loop and the decoding share the
+    machine's cores). Its errors are raised here, in order; leaving early stops it."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(_READ_AHEAD)
+    stop = threading.Event()
+    end = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)  # wakes to see ``stop`` when the caller has gone
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def decode() -> None:
+        try:
+            with open_reader() as reader:
+                for batch in reader:
+                    if not put(batch):
+                        return
+            put(end)
+        except BaseException as exc:  # raised in the caller's thread
+            put(exc)
+
+    thread = threading.Thread(target=decode, name="trace-reader", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+class _Checker:
+    """The checks of a trace's requests, batch by batch (each batch the requests after the last): the first
+    request with a negative time or size, or too many blocks, and the span from the earliest to the latest
+    request (check_span), each a ValueError naming the request."""
+
+    def __init__(self, trace: "LibCacheSimTrace"):
+        self.trace, self.seen = trace, 0
+        self.lo = self.hi = None  # (clock_time, request number) of the earliest and the latest, the first of equals
+
+    def check(self, times: np.ndarray, obj_ids: np.ndarray, sizes: np.ndarray) -> None:
+        trace, path, base = self.trace, self.trace.path, self.seen
+        too_big = (sizes > 0) & ((sizes - 1) // trace.block_bytes + 1 > MAX_OBJECT_BLOCKS)
+        for i in np.flatnonzero((times < 0) | (sizes < 0) | too_big)[:1].tolist():  # the first bad request
+            t, size, n = int(times[i]), int(sizes[i]), base + i + 1
+            if t < 0:
+                raise ValueError(f"{path}: request {n}: clock_time = {t} must be >= 0")
+            if size < 0:
+                raise ValueError(f"{path}: request {n}: obj_size = {size} must be >= 0")
+            raise ValueError(f"{path}: request {n}: obj_size = {size} is {trace._blocks(size)} blocks of "
+                             f"{trace.block_bytes} bytes, more than {MAX_OBJECT_BLOCKS}")
+        self.seen += len(times)
+        if not len(times):
+            return
+        lo, hi = int(np.argmin(times)), int(np.argmax(times))
+        if self.lo is None or times[lo] < self.lo[0]:
+            self.lo = (int(times[lo]), base + lo + 1)
+        if self.hi is None or times[hi] > self.hi[0]:
+            self.hi = (int(times[hi]), base + hi + 1)
+        (t_hi, n_hi), (t_lo, n_lo) = self.hi, self.lo
+        check_span(path, (t_hi - t_lo) * NS_PER_S * trace.time_scale, f"request {n_hi} (clock_time {t_hi})",
+                   f"request {n_lo} (clock_time {t_lo})", trace.time_scale, "s")
+
+
 @dataclass
 class LibCacheSimTrace:
     """A trace libCacheSim reads; every request is its own stream, started at its clock time (open loop)."""
@@ -269,40 +347,102 @@ class LibCacheSimTrace:
             raise ValueError(f"trace file {str(path)!r} does not exist")
         if path.stat().st_size == 0:  # libCacheSim aborts on an empty file; say what is wrong instead
             raise ValueError(f"{path}: no requests in the trace (the file is empty)")
-        native = self._read_native(path)
-        self.times, self.obj_ids, self.sizes = native or self._read(path)
-        if not self.times:
-            raise ValueError(f"{path}: no requests in the trace (libCacheSim's {self.trace_format} reader found none)")
-        if self.trace_format == "csv" and not native:  # what libCacheSim's reader would read as 0 or 1 silently
-            check_csv(path, self.trace_params, len(self.times), self.ignore_obj_size)  # (the native one refuses it)
-        times, sizes = np.frombuffer(self.times, np.int64), np.frombuffer(self.sizes, np.int64)
-        too_big = (sizes > 0) & ((sizes - 1) // self.block_bytes + 1 > MAX_OBJECT_BLOCKS)
-        for i in np.flatnonzero((times < 0) | (sizes < 0) | too_big)[:1].tolist():  # the first bad request
-            t, size = self.times[i], self.sizes[i]
-            if t < 0:
-                raise ValueError(f"{path}: request {i + 1}: clock_time = {t} must be >= 0")
-            if size < 0:
-                raise ValueError(f"{path}: request {i + 1}: obj_size = {size} must be >= 0")
-            raise ValueError(f"{path}: request {i + 1}: obj_size = {size} is {self._blocks(size)} blocks of "
-                             f"{self.block_bytes} bytes, more than {MAX_OBJECT_BLOCKS}")
-        lo, hi = int(np.argmin(times)), int(np.argmax(times))  # the first of equal ones, as min()/max() take
-        check_span(path, (self.times[hi] - self.times[lo]) * NS_PER_S * self.time_scale,
-                   f"request {hi + 1} (clock_time {self.times[hi]})", f"request {lo + 1} (clock_time {self.times[lo]})",
-                   self.time_scale, "s")
+        self._columns: tuple[array, array, array] | None = None  # the whole trace, once read
+        self._counted: dict | None = None  # describe()'s counts, from a native replay of the whole trace
+        self._native = self._open_native(path)  # the first batch read and checked; False: libCacheSim reads it
+        if not self._native:
+            self._columns = self._read(path)
+            if not self._columns[0]:
+                raise ValueError(f"{path}: no requests in the trace (libCacheSim's {self.trace_format} reader "
+                                 f"found none)")
+            if self.trace_format == "csv":  # what libCacheSim's reader would read as 0 or 1 silently
+                check_csv(path, self.trace_params, len(self._columns[0]), self.ignore_obj_size)
+            checker = _Checker(self)
+            checker.check(*(np.frombuffer(c, t) for c, t in zip(self._columns, (np.int64, np.uint64, np.int64))))
 
-    def _read_native(self, path: Path) -> tuple[array, array, array] | None:
-        """The trace by the native reader; None where it does not read it or refuses it (see the module)."""
-        from .native_reader import NATIVE_FORMATS, NativeTraceReader
+    # ---- reading ------------------------------------------------------------------------------
+    def _reader(self):
+        from .native_reader import NativeTraceReader
+
+        return NativeTraceReader(self.path, self.trace_format, self.trace_params, self.ignore_obj_size, self.limit)
+
+    def _open_native(self, path: Path) -> bool:
+        """Whether the native reader reads the trace (native_reader.py); it checks the first batch. A trace it
+        does not read, or one it refuses there, goes to libCacheSim's reader (the module docstring)."""
+        from .native_reader import NATIVE_FORMATS
 
         if self.trace_format not in NATIVE_FORMATS:
-            return None
+            return False
         try:
-            with NativeTraceReader(path, self.trace_format, self.trace_params, self.ignore_obj_size,
-                                   self.limit) as reader:
-                columns = reader.read_all()
+            with self._reader() as reader:
+                batch = reader.read_batch()
         except ValueError:  # NativeUnsupported, or a trace it refuses: libCacheSim's reader says what it reads
-            return None
-        return tuple(array(typecode, column.tobytes()) for typecode, column in zip("qQq", columns))
+            return False
+        if not len(batch[0]):
+            raise ValueError(f"{path}: no requests in the trace (libCacheSim's {self.trace_format} reader found none)")
+        _Checker(self).check(*batch)
+        return True
+
+    def _batches(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The trace in batches of (times, obj_ids, sizes) arrays, checked (``_Checker``) as they come: streamed
+        from the file by the native reader, else from the columns libCacheSim's reader read."""
+        if self._columns is not None:
+            times, ids, sizes = (np.frombuffer(c, t) for c, t in zip(self._columns, (np.int64, np.uint64, np.int64)))
+            from .native_reader import BATCH
+
+            for i in range(0, len(times), BATCH):
+                yield times[i:i + BATCH], ids[i:i + BATCH], sizes[i:i + BATCH]
+            return
+        checker = _Checker(self)
+        for batch in _read_ahead(self._reader):
+            checker.check(*batch)
+            yield batch
+
+    def _all(self) -> tuple[array, array, array]:
+        """The whole trace as three columns (time, object id, size): read once, then kept."""
+        if self._columns is None:
+            parts = list(self._batches())
+            self._columns = tuple(array(code, np.concatenate([p[k] for p in parts]).tobytes())
+                                  for k, code in enumerate("qQq"))
+        return self._columns
+
+    @property
+    def times(self) -> array:
+        return self._all()[0]
+
+    @property
+    def obj_ids(self) -> array:
+        return self._all()[1]
+
+    @property
+    def sizes(self) -> array:
+        return self._all()[2]
+
+    def native_batches(self, whole: bool = False):
+        """The native replay loop's feed (driver.Replay._feed_native): ("objects", (times, obj_ids, sizes, first
+        time, ns per clock unit, ignore_obj_size)) batches, each request its own stream from the first request's
+        time. Streamed, unless ``whole`` (a trace out of time order: from the columns, timed from their earliest
+        request, as ``phases`` times them); a streamed request earlier than the first raises OutOfOrder."""
+        from .native_replay import OutOfOrder
+
+        ns = NS_PER_S * self.time_scale
+        if whole:
+            times = np.frombuffer(self._all()[0], np.int64)
+            first = int(times.min())
+            for batch in self._batches():
+                yield "objects", (*batch, first, ns, self.ignore_obj_size)
+            return
+        first = None
+        for batch in self._batches():
+            if first is None:
+                first = int(batch[0][0])
+            if int(batch[0].min()) < first:
+                raise OutOfOrder()
+            yield "objects", (*batch, first, ns, self.ignore_obj_size)
+
+    def counted(self, requests: int, objects: int, block_references: int) -> None:
+        """What a native replay of the whole trace counted (``describe`` then needs no pass of its own)."""
+        self._counted = {"requests": requests, "objects": objects, "block_references": block_references}
 
     def _read(self, path: Path) -> tuple[array, array, array]:
         spec = {"path": str(path), "trace_type": TRACE_FORMATS[self.trace_format], "params": dict(self.trace_params),
@@ -351,7 +491,11 @@ class LibCacheSimTrace:
         return ()
 
     def describe(self) -> dict:
-        return {"trace": str(self.path), "format": self.trace_format, "requests": len(self.times),
-                "objects": len(set(self.obj_ids)),
-                "block_references": sum(self._blocks(s) for s in self.sizes),
+        counts = self._counted
+        if counts is None:
+            sizes = np.frombuffer(self.sizes, np.int64)
+            blocks = np.where(sizes > 0, (sizes - 1) // self.block_bytes + 1, 1)  # _blocks
+            counts = {"requests": len(sizes), "objects": int(np.unique(np.frombuffer(self.obj_ids, np.uint64)).size),
+                      "block_references": int(np.sum(blocks))}
+        return {"trace": str(self.path), "format": self.trace_format, **counts,
                 "ignore_obj_size": self.ignore_obj_size, "time_scale": self.time_scale}

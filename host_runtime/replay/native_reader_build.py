@@ -14,7 +14,7 @@ from pathlib import Path
 
 import cffi
 
-from driver.native import cdef_of, compile_into, source_digest
+from driver.native import build_main, cdef_of, compile_into, source_digest
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "native"
@@ -44,19 +44,8 @@ def build() -> Path:
     return compile_into(make_ffi(), HERE)
 
 
-def stale_modules() -> list[Path]:
-    """Modules built from earlier sources."""
-    current = module_name().rsplit(".", 1)[1]
-    return [p for p in HERE.glob("_trace_reader_*.so") if not p.name.startswith(current)]
-
-
 def main() -> None:
-    from driver.native import load_or_build
-
-    module = load_or_build(module_name(), build, LOCK)
-    for old in stale_modules():
-        old.unlink()
-    print(module.__file__)
+    build_main(module_name(), build, LOCK, HERE)
 
 
 if __name__ == "__main__":

@@ -101,11 +101,17 @@ class PrefillModel:
     tokens_per_block: int
     gpu: GpuProfile
 
-    def flops(self, blocks: int, position_sum: int) -> float:
-        """FLOPs to prefill ``blocks`` blocks whose context positions (0-based) add up to ``position_sum``."""
+    def flops_terms(self) -> tuple[float, int]:
+        """``(per_block, per_position)``: ``flops(b, s) = b * per_block + per_position * s``, the second term an
+        exact integer (the native replay loop computes it so, too)."""
         m, t = self.model, self.tokens_per_block
         attn = 4 * m.layers * m.heads * m.head_dim
-        return blocks * (2 * m.matmul_params * t + attn * t * (t + 1) / 2) + attn * t * t * position_sum
+        return 2 * m.matmul_params * t + attn * t * (t + 1) / 2, attn * t * t
+
+    def flops(self, blocks: int, position_sum: int) -> float:
+        """FLOPs to prefill ``blocks`` blocks whose context positions (0-based) add up to ``position_sum``."""
+        per_block, per_position = self.flops_terms()
+        return blocks * per_block + per_position * position_sum
 
     def block_flops(self, position: int) -> float:
         return self.flops(1, position)

@@ -178,6 +178,24 @@ class MooncakeTrace:
         yield Phase("trace", [Stream((ts - first) * 1e6 * self.time_scale, [Request(self.keys_of(ids))])
                               for ts, ids in self.records])
 
+    def native_batches(self, whole: bool = False):
+        """The native replay loop's feed (driver.Replay._feed_native): ("streams", (start_ns, None, None, keys per
+        request, keys)) batches, each request its own stream, timed as ``phases`` times them (``whole`` changes
+        nothing: the records are in memory)."""
+        import numpy as np
+
+        from .native_replay import key_array
+
+        first, n = min(ts for ts, _ in self.records), self.blocks_per_hash
+        step = 1 << 16
+        for i in range(0, len(self.records), step):
+            chunk = self.records[i:i + step]
+            starts = (np.array([ts for ts, _ in chunk], dtype=np.float64) - first) * 1e6 * self.time_scale
+            ids = np.fromiter((h for _, hs in chunk for h in hs), dtype=np.uint64)
+            keys = (ids[:, None] * np.uint64(n) + np.arange(n, dtype=np.uint64)).ravel()
+            per_request = np.fromiter((len(hs) * n for _, hs in chunk), dtype=np.uint64, count=len(chunk))
+            yield "streams", (starts, None, None, per_request, key_array(keys))
+
     def populate_keys(self):
         return ()
 
