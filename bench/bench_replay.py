@@ -2,8 +2,8 @@
 
 Every measured run is a whole process, started here and timed from its start until it exits:
 
-* ``chm replay TRACE ... --out DIR``, exactly as a user types it (reading the trace, the replay, the table
-  on stdout, ``replay.json`` and ``replay.png`` written);
+* ``chm replay TRACE ... --out DIR --no-plot``, exactly as a user types it (reading the trace, the replay, the
+  table on stdout, ``replay.json`` written);
 * the peer, ``python -c`` that imports ``libcachesim``, opens the same trace with its ``TraceReader`` (same
   format, same parameters) and runs ``process_trace`` with the same cache (LRU or S3FIFO).
 
@@ -165,7 +165,7 @@ def chm_command(case: Case, trace: Path, out: Path, page: int) -> list[str]:
                 ["--tokens-per-block", str(MOONCAKE_TOKENS_PER_HASH), "--block-bytes", "2MiB",
                  "--set", f"dram.size_bytes={MOONCAKE_CACHE_PAGES * page}",
                  "--set", f"policy.prefetch_window_bytes={page}"]
-    return argv + ["--out", str(out)]
+    return argv + ["--out", str(out), "--no-plot"]
 
 
 def peer_command(case: Case, trace: Path) -> list[str]:

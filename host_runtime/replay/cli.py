@@ -105,7 +105,7 @@ def register(sub) -> None:
     g.add_argument("--out", metavar="DIR", help="write replay.json and replay.png here (--sweep: sweep.json and "
                                                 "sweep.png)")
     g.add_argument("--no-plot", action="store_true", help="--out: write the JSON only, no PNG (no matplotlib)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
     g = p.add_argument_group("sweep (Dask distributed)")
     g.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2,...",
                    help="an axis of a grid of replays, each point one Dask task (repeatable; the grid is the product). "
@@ -242,7 +242,7 @@ def replay_results(args, progress: bool | None = None, workload=None) -> list[di
     if workload is None:
         workload = build_workload(args)
     prefill = prefill_model(args, workload.block_bytes)
-    show = not args.no_progress if progress is None else progress
+    show = (not args.no_progress and sys.stderr.isatty()) if progress is None else progress  # no bar in a log
     return [Replay(cfg, v, workload, window_bytes=window_bytes, bucket_ns=args.window_s * 1e9, progress=show,
                    sequential=args.sequential, prefill=prefill).run() for v, cfg in runs]
 
