@@ -55,9 +55,8 @@ $(MODEL): | $(STAMP)
 # imports anew at each start (chm replay is measured as a whole process).
 native: $(STAMP)
 	$(PY) -m emulator.native
-	$(PY) -m host_runtime.replay.native_reader_build
+	$(PY) -m host_runtime.replay.native_build
 	$(PY) -m host_runtime.hymcache.native_master_build
-	$(PY) -m host_runtime.replay.replay_loop_build
 	$(PY) -m compileall -q emulator driver host_runtime libchm bench
 
 # libchm.so, the driver's wire module and the Python binding (issue 3).

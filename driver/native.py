@@ -12,6 +12,7 @@ import importlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -71,10 +72,46 @@ def stale_modules(folder: Path, module: str) -> list[Path]:
     return [p for p in folder.glob(f"{stem}_*.so") if not p.name.startswith(current)]
 
 
-def build_main(module: str, build: Callable[[], object], lock_path: Path, folder: Path) -> None:
-    """``python -m <build module>``: build ``module`` for the current sources if missing, remove the ones built
-    from earlier sources, print its path."""
-    loaded = load_or_build(module, build, lock_path)
-    for old in stale_modules(folder, module):
-        old.unlink()
-    print(loaded.__file__)
+
+@dataclass(frozen=True)
+class ApiModule:
+    """A cffi (API mode) module built from C sources: the cdef cut out of ``header`` (its cdef markers), the
+    name ``package._stem_<digest>`` of ``digested`` (every file it is built from) and ``cflags``, compiled into
+    ``folder``; built on first load if missing (under ``lock``)."""
+
+    package: str
+    stem: str
+    folder: Path
+    header: Path
+    c_sources: tuple[Path, ...]
+    digested: tuple[Path, ...]
+    include_dirs: tuple[Path, ...]
+    cflags: tuple[str, ...]
+    lock: Path
+    libraries: tuple[str, ...] = ()
+
+    def name(self) -> str:
+        return f"{self.package}._{self.stem}_{source_digest(self.digested, list(self.cflags))}"
+
+    def ffi(self):
+        import cffi
+
+        ffi = cffi.FFI()
+        ffi.cdef(cdef_of(self.header))
+        ffi.set_source(self.name(), f'#include "{self.header.name}"', sources=[str(p) for p in self.c_sources],
+                       include_dirs=[str(p) for p in self.include_dirs], extra_compile_args=list(self.cflags),
+                       libraries=list(self.libraries))
+        return ffi
+
+    def build(self) -> Path:
+        return compile_into(self.ffi(), self.folder)
+
+    def load(self) -> ModuleType:
+        return load_or_build(self.name(), self.build, self.lock)
+
+    def main(self) -> None:
+        """Build for the current sources if missing, remove the modules built from earlier ones, print its path."""
+        loaded = self.load()
+        for old in stale_modules(self.folder, self.name()):
+            old.unlink()
+        print(loaded.__file__)

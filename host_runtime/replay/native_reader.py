@@ -1,5 +1,5 @@
 """Traces in libCacheSim's csv, txt, oracleGeneral and lcs formats, read by a native reader of ours
-(``native/trace_reader.{h,c}``, built by ``native_reader_build.py``), in batches of numpy arrays, streaming:
+(``native/trace_reader.{h,c}``, built by ``native_build.py``), in batches of numpy arrays, streaming:
 no Python object per request, memory bounded by one batch and the reader's 1 MiB buffer, not by the trace.
 
 libCacheSim's Python binding gives no batched access to its reader from C (its wheel ships no headers), so this
@@ -29,11 +29,9 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from driver.native import load_or_build
+from .native_build import TRACE_READER
 
-from . import native_reader_build
-
-_module = load_or_build(native_reader_build.module_name(), native_reader_build.build, native_reader_build.LOCK)
+_module = TRACE_READER.load()
 ffi, lib = _module.ffi, _module.lib
 
 NATIVE_FORMATS: dict[str, int] = {"csv": lib.TR_CSV, "txt": lib.TR_TXT, "oracleGeneral": lib.TR_ORACLE_GENERAL,

@@ -19,9 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from driver.errors import ChmError
-from driver.native import load_or_build
-
-from . import replay_loop_build as _build
+from .native_build import REPLAY_LOOP
 
 KEY_DTYPE = np.dtype([("lo", "<u8"), ("hi", "<u8")])  # rp_key: a block key as the Master's 16-byte key
 _U64 = 1 << 64
@@ -29,7 +27,7 @@ _U64 = 1 << 64
 
 @functools.cache
 def _module():
-    return load_or_build(_build.module_name(), _build.build, _build.LOCK)
+    return REPLAY_LOOP.load()
 
 
 class OutOfOrder(Exception):

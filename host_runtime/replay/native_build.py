@@ -1,0 +1,43 @@
+"""cffi (API mode) builds of the replay's native modules (``driver.native.ApiModule``: the cdef cut out of each
+header, the module's name carrying a digest of its sources and flags, so a process never loads a module built
+from other sources and a changed source builds a new one on first import):
+
+* ``TRACE_READER``: the trace reader, ``native/trace_reader.{h,c}`` (``native_reader.py``);
+* ``REPLAY_LOOP``: the request loop, ``native/replay_loop.{h,c}`` (``native_replay.py``). It calls the device core
+  (``emulator/native/chm_core.c``) and the Master table (``host_runtime/hymcache/native/master_table.c``) on the
+  structs the emulator's and the Master's own modules made, so it is compiled with their sources and their flags
+  (``-ffp-contract=off``: the timing model's doubles round as emulator/timing.py's do).
+
+``python -m host_runtime.replay.native_build`` builds both (``make native``) and removes modules built from
+earlier sources.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from driver.native import ApiModule
+
+HERE = Path(__file__).resolve().parent
+NATIVE = HERE / "native"
+CORE = HERE.parents[1] / "emulator" / "native"
+MASTER = HERE.parents[1] / "host_runtime" / "hymcache" / "native"
+LOCK = NATIVE / "build.lock"  # git-ignored (native/.gitignore)
+CFLAGS = ("-O2", "-std=c11", "-Wall", "-Wextra", "-Werror")
+
+TRACE_READER = ApiModule(
+    "host_runtime.replay", "trace_reader", HERE, NATIVE / "trace_reader.h", (NATIVE / "trace_reader.c",),
+    (NATIVE / "trace_reader.h", NATIVE / "trace_reader.c", NATIVE / "xxh3.h"), (NATIVE,), CFLAGS, LOCK)
+
+REPLAY_LOOP = ApiModule(
+    "host_runtime.replay", "replay_loop", HERE, NATIVE / "replay_loop.h",
+    (NATIVE / "replay_loop.c", CORE / "chm_core.c", MASTER / "master_table.c"),
+    (NATIVE / "replay_loop.h", NATIVE / "replay_loop.c", CORE / "chm_core.h", CORE / "chm_core.c",
+     MASTER / "master_table.h", MASTER / "master_table.c"),
+    (NATIVE, CORE, MASTER), CFLAGS + ("-ffp-contract=off",), LOCK, ("m",))
+
+MODULES = (TRACE_READER, REPLAY_LOOP)
+
+if __name__ == "__main__":
+    for module in MODULES:
+        module.main()
