@@ -281,7 +281,10 @@ static int run_until(struct rp_engine *e, double until)
     uint64_t ran = 0;
     double t = e->c.background_ns;
     int rc = chm_dev_run_until(e->dev, e->c.background_ns, until, &ran, &t);
-    if (rc) return fail(e, RP_E_DEVICE, RP_OP_RUN_UNTIL, rc);
+    if (rc) {
+        e->err.detail = t;  /* CHM_E_INTERNAL: when the rule said a flush was due */
+        return fail(e, RP_E_DEVICE, RP_OP_RUN_UNTIL, rc);
+    }
     e->c.background_ns = until > t ? until : t;
     e->c.events_run += ran;
     return RP_OK;
@@ -382,7 +385,10 @@ static int put_start(struct rp_engine *e, struct stream *s, double now)
     double clock = now / 1e9;
     uint64_t rest = s->n_keys - s->n_addrs;
     const mt_key *keys = (const mt_key *)s->keys + s->n_addrs;
-    if (grow((void **)&s->locs, &s->locs_cap, rest, sizeof(uint64_t))) return fail(e, RP_E_NOMEM, RP_OP_PUT_START, 0);
+    if (grow((void **)&s->locs, &s->locs_cap, rest, sizeof(uint64_t))
+        || grow((void **)&s->written, &s->written_cap, rest, sizeof(rp_key))
+        || grow((void **)&s->refused, &s->refused_cap, rest, sizeof(rp_key)))
+        return fail(e, RP_E_NOMEM, RP_OP_PUT_START, 0);
     s->n_locs = rest;
     uint64_t i = 0;
     for (; i < rest; i += e->p.max_batch) {
@@ -419,7 +425,7 @@ static int put_finish(struct rp_engine *e, struct stream *s, double now)
 
 /* ---- one request's steps (driver: Replay._request and _stream, a generator there) ---- */
 
-static int request_keys(struct rp_engine *e, struct stream *s)
+static int load_keys(struct rp_engine *e, struct stream *s)
 {
     if (s->batch) {
         struct batch *b = s->batch;
@@ -442,7 +448,7 @@ static int request_keys(struct rp_engine *e, struct stream *s)
 /* The request's start: what it can reuse, its lookup, the cost of what it will not read. */
 static int begin(struct rp_engine *e, struct stream *s)
 {
-    if (request_keys(e, s)) return fail(e, RP_E_NOMEM, RP_OP_LOOKUP, 0);
+    if (load_keys(e, s)) return fail(e, RP_E_NOMEM, RP_OP_LOOKUP, 0);
     uint64_t n = s->n_keys, reusable = 0;
     const rp_key *keys = s->keys;
     if (grow((void **)&e->positions, &e->positions_cap, n, sizeof(uint64_t))) return fail(e, RP_E_NOMEM, RP_OP_LOOKUP, 0);
@@ -482,18 +488,19 @@ static int begin(struct rp_engine *e, struct stream *s)
     return RP_OK;
 }
 
-/* Run the stream from where it stands to its next yield: 1 (s->now the time of its next step), 0 (it ended:
- * driver's StopIteration), or an RP_E_* status. */
-static int advance(struct rp_engine *e, struct stream *s)
+/* Run the stream from where it stands to its next yield (*more 1: s->now the time of its next step) or its
+ * end (*more 0: driver's StopIteration). RP_OK or an RP_E_* status. */
+static int advance(struct rp_engine *e, struct stream *s, int *more)
 {
     int rc;
+    *more = 1;
     for (;;) {
         switch (s->stage) {
         case ST_THINK:
             if (s->req > s->first_req && s->batch && s->batch->think_ns && s->batch->think_ns[s->req] != 0.0) {
                 s->now += s->batch->think_ns[s->req];
                 s->stage = ST_BEGIN;
-                return 1;
+                return RP_OK;
             }
             /* fall through */
         case ST_BEGIN:
@@ -505,36 +512,24 @@ static int advance(struct rp_engine *e, struct stream *s)
             if (s->j < s->n_addrs) {
                 if ((rc = do_read(e, s->addrs[s->j], &s->now))) return rc;
                 s->j++;
-                return 1;
+                return RP_OK;
             }
-            if (s->n_addrs < s->n_keys) {  /* the rest of the chain */
-                if ((rc = put_start(e, s, s->now))) return rc;
-                s->j = 0;
-                s->n_written = s->n_refused = 0;
-                s->stage = ST_WRITE;
-            } else {
-                s->n_locs = s->n_written = s->n_refused = 0;
-                s->j = 0;
-                s->stage = ST_WRITE;
-            }
+            s->n_locs = 0;
+            if (s->n_addrs < s->n_keys && (rc = put_start(e, s, s->now))) return rc;  /* the rest of the chain */
+            s->j = 0;
+            s->n_written = s->n_refused = 0;
+            s->stage = ST_WRITE;
             /* fall through */
         case ST_WRITE:
             while (s->j < s->n_locs && s->locs[s->j] == NONE_LOC) s->j++;
             if (s->j < s->n_locs) {
                 int accepted;
                 if ((rc = do_write(e, s->locs[s->j], &s->now, &accepted))) return rc;
-                rp_key key = s->keys[s->n_addrs + s->j];
-                if (accepted) {
-                    if (grow((void **)&s->written, &s->written_cap, s->n_written + 1, sizeof(rp_key)))
-                        return fail(e, RP_E_NOMEM, RP_OP_WRITE, 0);
-                    s->written[s->n_written++] = key;
-                } else {
-                    if (grow((void **)&s->refused, &s->refused_cap, s->n_refused + 1, sizeof(rp_key)))
-                        return fail(e, RP_E_NOMEM, RP_OP_WRITE, 0);
-                    s->refused[s->n_refused++] = key;
-                }
+                rp_key key = s->keys[s->n_addrs + s->j];  /* room for every placed one: put_start */
+                if (accepted) s->written[s->n_written++] = key;
+                else s->refused[s->n_refused++] = key;
                 s->j++;
-                return 1;
+                return RP_OK;
             }
             if ((s->n_written || s->n_refused) && (rc = put_finish(e, s, s->now))) return rc;
             e->c.requests++;
@@ -548,7 +543,8 @@ static int advance(struct rp_engine *e, struct stream *s)
         case ST_END:
             e->c.streams++;
             if (s->now > e->c.now && !e->p.sequential) e->c.now = s->now;  /* the phase's end */
-            return 0;
+            *more = 0;
+            return RP_OK;
         }
     }
 }
@@ -633,9 +629,9 @@ static int run_heap(struct rp_engine *e, double bound_t, uint64_t bound_idx, int
         e->popped = 1;
         struct stream *s = top->s;
         s->now = top->t;
-        rc = advance(e, s);
-        if (rc < 0 || rc > 1) return rc;
-        if (rc == 1) {
+        int more;
+        if ((rc = advance(e, s, &more))) return rc;
+        if (more) {
             top->t = s->now;
         } else {
             give_stream(e, s);
@@ -655,9 +651,9 @@ static int enter(struct rp_engine *e, struct stream *s, double start_ns)
         double t = e->t0 + start_ns;
         if (t > e->c.now) e->c.now = t;
         s->now = e->c.now;
-        int rc;
-        while ((rc = advance(e, s)) == 1) {}
-        if (rc) return rc;
+        int rc, more = 1;
+        while (more)
+            if ((rc = advance(e, s, &more))) return rc;
         e->c.now = s->now;
         return RP_OK;
     }

@@ -36,7 +36,7 @@
 #define RP_E_DEVICE 2       /* a device call returned a status (rp_get_error: op, status, addr, detail) */
 #define RP_E_MASTER 3       /* a Master call returned -status (rp_get_error: op, status) */
 #define RP_E_UNSORTED 4     /* a stream starts before an event already run: feed the whole phase first */
-#define RP_E_ARG 5          /* a bad argument (rp_get_error's detail: which) */
+#define RP_E_ARG 5          /* a call out of order (a phase begun before the last one ended) */
 
 /* What failed (rp_error.op) */
 #define RP_OP_TICK 1
@@ -95,7 +95,8 @@ struct rp_error {
     int32_t op;                     /* RP_OP_* */
     int64_t status;
     uint64_t addr;
-    double detail;                  /* read: the page that found no frame; write: chm_write_result's page */
+    double detail;                  /* read: the page that found no frame; write: chm_write_result's page;
+                                     * run_until: when the flush rule said a flush was due */
     uint64_t new_pages;             /* write: chm_write_result's new_pages */
 };
 
