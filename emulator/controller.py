@@ -488,11 +488,7 @@ class Controller:
                 self._fold_ops()
                 if n > 0:
                     return _tuple_new(ReadOutcome, (res[0], int(res[1]), int(res[2]), int(res[3])))
-                if n == lib.CHM_NO_FRAME:
-                    raise _all_pinned("stage", int(res[1]))
-                if n == lib.CHM_E_NOMEM:
-                    raise MemoryError(f"read of {length} bytes at {addr}: no memory for the native path's state")
-                raise RuntimeError(f"read of {length} bytes at {addr}: native status {n}")
+                self._native_read_failed(n, int(res[1]), addr, length)
         pages = self._pages(addr, length)
         stats = self.stats
         stats["read_bytes"] += length
@@ -731,6 +727,15 @@ class Controller:
         if whole:
             self.count_command("write", finish - now)
         return _tuple_new(WriteOutcome, (finish, new_pages, len(pages) - new_pages, self.policy.write_buffer_pages))
+
+    @staticmethod
+    def _native_read_failed(rc: int, page: int, addr: int, length: int):
+        """Raise what ``read`` raises where ``chm_dev_read`` stopped with status ``rc`` (CHM_NO_FRAME: at ``page``)."""
+        if rc == lib.CHM_NO_FRAME:
+            raise _all_pinned("stage", page)
+        if rc == lib.CHM_E_NOMEM:
+            raise MemoryError(f"read of {length} bytes at {addr}: no memory for the native path's state")
+        raise RuntimeError(f"read of {length} bytes at {addr}: native status {rc}")
 
     def _native_write_failed(self, rc: int, res, addr: int, length: int):
         """Raise what ``write`` raises where ``chm_dev_write`` stopped with status ``rc``."""

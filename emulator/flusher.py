@@ -60,6 +60,12 @@ class Flight:
     generation: int = 0  # Flusher._generation when issued: only a retry's failure doubles the backoff
 
 
+
+def no_flush_granted(policy: str, due: float) -> RuntimeError:
+    """A policy whose flush rule said a flush is due at ``due`` but granted none: run_until would loop there."""
+    return RuntimeError(f"policy {policy!r}: next_flush_at said a flush is due at {due!r} ns "
+                        f"but flush_grant granted none (and no flush landed)")
+
 class Flusher:
     """Owns the dirty queue (``dirty``, ``queued``), the flush writes in flight (``flights``), the background
     clock (``background_ns``, ``events_run``) and the media-error state (``media_error``, the backoff).
@@ -330,8 +336,7 @@ class Flusher:
             if ran:
                 self._fold()
             if rc == lib.CHM_E_INTERNAL:
-                raise RuntimeError(f"policy {self.policy.name!r}: next_flush_at said a flush is due at {t!r} ns "
-                                   f"but flush_grant granted none (and no flush landed)")
+                raise no_flush_granted(self.policy.name, t)
             if rc:
                 raise MemoryError("native flusher: no memory")
             self.background_ns = max(t, until)
@@ -342,8 +347,7 @@ class Flusher:
             before = (self.stats["flush_batches"], len(self.flights))
             self.tick(due)
             if (self.stats["flush_batches"], len(self.flights)) == before:  # would loop forever at `due`
-                raise RuntimeError(f"policy {self.policy.name!r}: next_flush_at said a flush is due at {due!r} ns "
-                                   f"but flush_grant granted none (and no flush landed)")
+                raise no_flush_granted(self.policy.name, due)
             t, ran = due, ran + 1
         self.background_ns = max(t, until)
         self.events_run += ran

@@ -86,7 +86,7 @@ import resource
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
@@ -156,6 +156,11 @@ class Bucket:
     read_latency_ns: array = field(default_factory=lambda: array("d"))
     # the native loop's: the distinct latencies, ascending, and how often each came (instead of read_latency_ns)
     latency_counts: tuple | None = None
+    # the accumulators a total adds up, and the ones it takes the earliest / latest of
+    SUMMED: ClassVar[tuple[str, ...]] = ("reads", "writes", "read_bytes", "write_bytes", "refused_writes", "hit_pages",
+                                         "miss_pages", "write_hit_pages", "write_miss_pages", "prefetch_busy",
+                                         "recomputed_blocks", "recompute_flops")
+    SPANS: ClassVar[tuple[str, ...]] = ("first_read", "last_read", "first_write", "last_write")
 
     def percentile_ms(self, p: float) -> float:
         """The p-th percentile read latency (ms): the sorted latencies' element ``int(p / 100 * n)``."""
@@ -274,9 +279,12 @@ class Replay:
         k = int(now // self.bucket_ns)
         b = self.buckets.get(k)
         if b is None:
-            b = self.buckets[k] = Bucket(f"{k * self.bucket_ns / 1e9:g}")
-            b.start_ns = k * self.bucket_ns
+            b = self.buckets[k] = self.window_bucket(k)
         return b
+
+    def window_bucket(self, k: int) -> Bucket:
+        """A new row for window ``k`` of virtual time (``bucket_ns`` wide), labelled by its start in seconds."""
+        return Bucket(f"{k * self.bucket_ns / 1e9:g}", start_ns=k * self.bucket_ns)
 
     # ---- operations: each returns its finish time -------------------------------------
     def _read(self, addr: int, now: float, count_hits: bool) -> float:
@@ -547,17 +555,18 @@ class Replay:
         wall = time.perf_counter() - wall0
         return self._result(t_start, now, wall, time.process_time() - cpu0)
 
-    def _run_native(self, whole: bool = False) -> dict:
+    def _run_native(self, whole: bool = False, started: tuple[float, float] | None = None) -> dict:
         """``run`` on the native loop (native_replay.py). ``whole``: each phase fed whole before it runs (a trace
-        out of time order: the first attempt stops at its first request out of order and this runs afresh)."""
+        out of time order: the first attempt stops at its first request out of order and this runs afresh, its
+        wall and CPU time counted from ``started``, the first attempt's start)."""
         from .native_replay import NativeLoop, OutOfOrder
 
-        wall0, cpu0 = time.perf_counter(), time.process_time()
+        wall0, cpu0 = started or (time.perf_counter(), time.process_time())
         now = self._populate(self.workload.populate_keys(), 0.0)
         t_start = now
         loop = self.native_loop = NativeLoop(self)
         loop.add_known(self.known)
-        self.pbar = self._progress_bar(getattr(self.workload, "total_blocks", None))
+        self.pbar = self._progress_bar(None)  # a streamed trace's length is known at its end
         try:
             now = self._feed_native(loop, now, whole)
         except OutOfOrder:
@@ -565,7 +574,7 @@ class Replay:
                 raise RuntimeError("the native replay loop found a stream out of order in a phase fed whole")
             cfg, variant, workload, kwargs = self._init
             fresh = Replay(cfg, variant, workload, **kwargs)
-            result = fresh._run_native(whole=True)
+            result = fresh._run_native(whole=True, started=(wall0, cpu0))
             self.__dict__.update(fresh.__dict__)
             return result
         finally:
@@ -606,8 +615,7 @@ class Replay:
             [b.row(None, flops_per_s) for b in self.buckets.values()]
         total = Bucket("total", start_ns=t_start)
         for b in self.buckets.values():
-            for name in ("reads", "writes", "read_bytes", "write_bytes", "refused_writes", "hit_pages", "miss_pages",
-                         "write_hit_pages", "write_miss_pages", "prefetch_busy", "recomputed_blocks", "recompute_flops"):
+            for name in Bucket.SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(b, name))
             total.first_read, total.last_read = min(total.first_read, b.first_read), max(total.last_read, b.last_read)
             total.first_write, total.last_write = min(total.first_write, b.first_write), max(total.last_write, b.last_write)

@@ -3,7 +3,7 @@
 state (tests/host_runtime/test_native_replay.py runs them side by side).
 
 A workload goes in as batches of arrays, never as a Python object per request: a libCacheSim trace as its
-reader's columns (``LibCacheSimTrace.object_batches``: time, object id, size), a Mooncake trace as its requests'
+reader's columns (``LibCacheSimTrace.native_batches``: time, object id, size), a Mooncake trace as its requests'
 start times and keys, any other workload phase by phase from its streams. What comes back are the report rows'
 accumulators (``driver.Bucket``, read latencies as distinct values and counts) and the loop's counters; the
 controller's and the Master's state are theirs already (the loop ran on their structs).
@@ -125,7 +125,8 @@ class NativeLoop:
         master._check(-status)
 
     def _device_failed(self, err) -> None:
-        from emulator import controller as c
+        """Raise what the Controller (or its flusher) raises for the device call that failed."""
+        from emulator.flusher import no_flush_granted
         from emulator.native import lib as core
 
         ctl, lib, length = self.replay.ctl, self.lib, self.replay.block_bytes
@@ -133,14 +134,9 @@ class NativeLoop:
             ctl._native_write_failed(err.status, SimpleNamespace(new_pages=err.new_pages, page=int(err.detail)),
                                      err.addr, length)
         if err.op == lib.RP_OP_READ:
-            if err.status == core.CHM_NO_FRAME:
-                raise c._all_pinned("stage", int(err.detail))
-            if err.status == core.CHM_E_NOMEM:
-                raise MemoryError(f"read of {length} bytes at {err.addr}: no memory for the native path's state")
-            raise RuntimeError(f"read of {length} bytes at {err.addr}: native status {err.status}")
+            ctl._native_read_failed(err.status, int(err.detail), err.addr, length)
         if err.op == lib.RP_OP_RUN_UNTIL and err.status == core.CHM_E_INTERNAL:
-            raise RuntimeError(f"policy {ctl.policy.name!r}: next_flush_at said a flush is due but flush_grant "
-                               f"granted none (and no flush landed)")
+            raise no_flush_granted(ctl.policy.name, err.detail)
         raise MemoryError("native flusher: no memory")
 
     # ---- feeding ---------------------------------------------------------------------------
@@ -208,9 +204,7 @@ class NativeLoop:
         replay.revoked += c.revoked
         replay.no_space_puts += c.no_space_puts
         b = ffi.new("struct rp_bucket *")
-        fields = ("reads", "writes", "read_bytes", "write_bytes", "refused_writes", "hit_pages", "miss_pages",
-                  "write_hit_pages", "write_miss_pages", "prefetch_busy", "recomputed_blocks", "recompute_flops",
-                  "first_read", "last_read", "first_write", "last_write")
+        fields = Bucket.SUMMED + Bucket.SPANS
         for i in range(lib.rp_buckets(self._e)):
             lib.rp_get_bucket(self._e, i, b)
             n = b.latencies
@@ -219,9 +213,7 @@ class NativeLoop:
                 lib.rp_get_latencies(self._e, i, ffi.from_buffer("double[]", values), ffi.from_buffer("uint64_t[]", counts))
             order = np.argsort(values, kind="stable")
             if replay.by_time:
-                k = b.key
-                row = Bucket(f"{k * replay.bucket_ns / 1e9:g}", start_ns=b.start_ns)
-                key = k
+                key, row = b.key, replay.window_bucket(b.key)
             else:
                 key = self.labels[b.key]
                 row = Bucket(key, start_ns=b.start_ns)
@@ -229,5 +221,3 @@ class NativeLoop:
                 setattr(row, name, getattr(b, name))
             row.latency_counts = (values[order], counts[order])
             replay.buckets[key] = row
-        c = self.counts()
-        self.streams, self.requests, self.block_refs, self.objects = c.streams, c.requests, c.block_refs, c.objects
