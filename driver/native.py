@@ -72,7 +72,6 @@ def stale_modules(folder: Path, module: str) -> list[Path]:
     return [p for p in folder.glob(f"{stem}_*.so") if not p.name.startswith(current)]
 
 
-
 @dataclass(frozen=True)
 class ApiModule:
     """A cffi (API mode) module built from C sources: the cdef cut out of ``header`` (its cdef markers), the

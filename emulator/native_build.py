@@ -19,6 +19,7 @@ from pathlib import Path
 
 import cffi
 
+from driver import native
 from driver.native import cdef_of, compile_into, source_digest
 
 HERE = Path(__file__).resolve().parent
@@ -53,6 +54,5 @@ def build(mutation: str | None = None) -> Path:
 
 def stale_modules() -> list[Path]:
     """Modules built from earlier sources (``make`` removes them)."""
-    current = module_name().rsplit(".", 1)[1]
-    return [p for p in HERE.glob("_chm_core_*.so") if not p.name.startswith(current)]
+    return native.stale_modules(HERE, module_name())
 

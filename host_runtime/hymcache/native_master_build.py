@@ -17,6 +17,7 @@ from pathlib import Path
 
 import cffi
 
+from driver import native
 from driver.native import cdef_of, compile_into, source_digest
 
 HERE = Path(__file__).resolve().parent
@@ -52,8 +53,7 @@ def build(mutation: str | None = None) -> Path:
 
 def stale_modules() -> list[Path]:
     """Modules built from earlier sources (and test variants of them)."""
-    current = module_name().rsplit(".", 1)[1]
-    return [p for p in HERE.glob("_master_table_*.so") if not p.name.startswith(current)]
+    return native.stale_modules(HERE, module_name())
 
 
 def main() -> None:
