@@ -482,7 +482,7 @@ class Controller:
             if hit:  # every page a hit
                 self.fold_native_counts()
                 return _tuple_new(ReadOutcome, (self._native_finish[0], hit, 0, 0))
-            if out is None and self._native_staging and (dev := self.flusher._nat()) is not None:
+            if out is None and self._native_staging and (dev := self.flusher.dev) is not None:
                 res = self._read_result  # data off, one area: the rest of this read in C
                 n = _dev_read(dev, addr, length, now, whole, res)
                 self._fold_ops()
@@ -606,7 +606,7 @@ class Controller:
         """Add what a native sequential run counted to ``stats`` and the flusher."""
         self.fold_native_counts()
         _fold_counts(self._stats, self._seq_counts, NATIVE_SEQ_COUNTS, _ZERO_SEQ_COUNTS)
-        if self.flusher._dev is None:  # else the native flusher counted them
+        if self.flusher.dev is None:  # else the native flusher counted them
             self.flusher._flight_order += result.flush_writes
 
     def fold_native_counts(self) -> None:
@@ -694,7 +694,7 @@ class Controller:
         write-buffer pages the write asked for. ``whole`` as for ``read``.
         """
         self.check_range(addr, length)
-        dev = self.flusher._nat()
+        dev = self.flusher.dev
         if dev is not None:
             res = self._write_result
             rc = _dev_write(dev, addr, length, now, whole, res)
@@ -811,7 +811,7 @@ class Controller:
         self.stats["prefetches"] += 1
         self.stats["prefetch_bytes"] += size
         t = self._cycles(now, self.cfg.controller.cycles_per_command)
-        dev = self.flusher._nat()
+        dev = self.flusher.dev
         if dev is not None:  # the fetch loop in C (module docstring, "Native data-off path")
             buf = self._prefetch_frames
             if len(pages) > len(buf):
@@ -891,7 +891,7 @@ class Controller:
     def release(self, handle: int, now: float) -> float:
         self.engine.release(handle)
         self.stats["releases"] += 1
-        dev = self.flusher._nat()
+        dev = self.flusher.dev
         if dev is not None:
             frames = self.staged.pop(handle).frames
             lib.chm_dev_release_frames(dev, ffi.new("uint32_t[]", frames), len(frames))

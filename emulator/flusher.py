@@ -17,8 +17,10 @@ flusher's state to C (``go_native``: ``struct chm_flusher`` of emulator/native/c
 controller's data-off writes and reads use too): the dirty queue, the flights, their counters. The methods
 below then run there (``tick``, ``run_until``, ``next_event_ns``, ``quiet_until``, ``flush``,
 ``complete_flights``, ``write_back``), and ``dirty_entries``/``flight_entries``/``flight_counts`` show the
-state; ``queued`` is shared. Should a method of the flusher or the policy be replaced on the instance (a test
-watching ``start_flush``, say), the state comes back to Python first (``_demote``) and stays there.
+state; ``queued`` is shared. Native or Python is chosen once, when the controller is built (``dev``); a
+test that watches or replaces a method builds the Python path explicitly (``to_python``, before its first
+operation). A call from outside into the Python-only steps (``enqueue``, ``start_flush``) brings the state back
+to Python for good.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ class Flusher:
         self._held_dirty: set[int] = set()  # dirty frames kept pinned while the media fail, until flushed
         self._failed_frames: set[int] = set()  # frames whose last flush failed; the error clears when none is left
         self._generation = 0  # bumped at each backoff step
-        self._dev = None  # native mode: the controller's struct chm_dev, whose flusher holds the state
-        self._native = None  # (struct chm_flusher, the dict sizes that mean nothing was replaced, fold, keep)
+        self.dev = None  # native mode: the controller's struct chm_dev, whose flusher holds the state (go_native)
+        self._native = None  # native mode: (struct chm_flusher, fold, the buffers it points into)
         self._due, self._ran = ffi.new("double *"), ffi.new("uint64_t *")  # the native calls' results
 
     # ---- native mode (module docstring) ----------------------------------------------
@@ -132,38 +134,33 @@ class Flusher:
         fl.write_buffer_frames = policy.cfg.write_buffer_frames
         fl.drops_staged_on_release = policy.drops_staged_on_release
         dev.flusher = fl
-        self._dev = dev
-        self._native = (fl, vars(self), len(vars(self)), vars(policy), len(vars(policy)), fold, keep)
+        self.dev = dev
+        self._native = (fl, fold, keep)
 
     def _nat(self):
-        """The device struct while the state is native, nothing was replaced on the flusher or the policy and
-        no media or staging-read error is set (else the state comes back to Python: None)."""
-        dev = self._dev
-        if dev is not None:
-            _, own, n_own, policy, n_policy, _, _ = self._native
-            if len(own) != n_own or len(policy) != n_policy or self.media_error is not None or self.read_error:
-                self._demote()  # (a media or staging-read error set by hand: data off has none)
-                return None
-        return dev
+        """``dev`` (host_runtime/replay/native_replay.py asks this way)."""
+        return self.dev
 
-    def _demote(self) -> None:
-        """The state back to Python, for good."""
-        fl, fold = self._native[0], self._native[5]
+    def to_python(self) -> None:
+        """The state back to Python, for good (a no-op there)."""
+        if self.dev is None:
+            return
+        fl, fold = self._native[0], self._native[1]
         fold()
         dirty, flights = self.dirty_entries(), self.flight_entries()
-        self._dev.flusher = ffi.NULL
-        self._dev = None
+        self.dev.flusher = ffi.NULL
+        self.dev = None
         self.dirty, self.flights = dirty, flights
         self._flight_order, self._flushing_pages = fl.flight_order, fl.flushing_pages
         self._flight_room = ((-1, -1), 0.0)
         self._native = None
 
     def _fold(self) -> None:
-        self._native[5]()
+        self._native[1]()
 
     def dirty_entries(self) -> deque:
         """The dirty queue: (frame, write time), oldest first."""
-        if self._dev is None:
+        if self.dev is None:
             return self.dirty
         fl = self._native[0]
         entry_frame, entry_since = ffi.new("uint32_t *"), ffi.new("double *")
@@ -175,7 +172,7 @@ class Flusher:
 
     def flight_entries(self) -> list:
         """The flush writes in flight: (finish, issue order, Flight), a heap."""
-        if self._dev is None:
+        if self.dev is None:
             return self.flights
         fl = self._native[0]
         out = [(f.finish, f.order, Flight(list(range(f.frame, f.frame + f.pages)), ffi.unpack(f.seqs, f.pages),
@@ -186,14 +183,14 @@ class Flusher:
 
     def pending(self) -> tuple[int, int]:
         """(dirty pages queued, flush writes in flight)."""
-        if self._dev is None:
+        if self.dev is None:
             return len(self.dirty), len(self.flights)
         fl = self._native[0]
         return fl.n_dirty, fl.n_flights
 
     def flight_counts(self) -> tuple[int, int]:
         """(flush writes issued so far, pages in flight): ``_flight_order``, ``_flushing_pages``."""
-        if self._dev is None:
+        if self.dev is None:
             return self._flight_order, self._flushing_pages
         fl = self._native[0]
         return fl.flight_order, fl.flushing_pages
@@ -201,15 +198,15 @@ class Flusher:
     # ---- the dirty queue ---------------------------------------------------------
     def enqueue(self, frame: int, now: float) -> None:
         """``frame`` was written at ``now``: queue it for flushing, unless it waits already."""
-        if self._dev is not None:  # the state's own calls are native: one from outside brings it back here
-            self._demote()
+        if self.dev is not None:  # the state's own calls are native: one from outside brings it back here
+            self.to_python()
         if not self.queued[frame]:
             self.queued[frame] = 1
             self.dirty.append((frame, now))
 
     def _unqueue(self, frame: int) -> None:
-        if self._dev is not None:
-            self._demote()
+        if self.dev is not None:
+            self.to_python()
         if self.queued[frame]:
             self.queued[frame] = 0
             self.dirty = deque(e for e in self.dirty if e[0] != frame)
@@ -221,7 +218,7 @@ class Flusher:
 
     def write_back(self, frame: int, victim_page: int, now: float) -> float:
         """An evicted page was dirty (lru): write it to flash before its frame is reused; returns when done."""
-        dev = self._nat()
+        dev = self.dev
         if dev is not None:
             done = lib.chm_dev_write_back(dev, frame, victim_page, now)
             self._fold()
@@ -241,7 +238,7 @@ class Flusher:
     # ---- background work -----------------------------------------------------------
     def tick(self, now: float, force: bool = False) -> None:
         """Background work at virtual time ``now``: retire finished flushes, start new ones."""
-        dev = self._nat()
+        dev = self.dev
         if dev is not None:
             rc = lib.chm_dev_tick(dev, now, force)
             if rc:
@@ -302,7 +299,7 @@ class Flusher:
         bring the pages in flight under the policy's bound while dirty pages wait. (Otherwise the next tick
         retires it: nothing between looks.) A flusher backing off after a media error counts no flush grant
         (see ``retry_wait_s``)."""
-        dev = self._nat()
+        dev = self.dev
         if dev is not None:
             due_p = self._due
             if not lib.chm_dev_next_event(dev, now, due_p):
@@ -328,7 +325,7 @@ class Flusher:
         the background clock stands (it only moves forward); returns how many events ran.
 
         The replay driver calls it before each command, ``chm serve`` after each idle sleep."""
-        dev = self._nat()
+        dev = self.dev
         if dev is not None:
             ran_p, t_p = self._ran, self._due
             rc = lib.chm_dev_run_until(dev, self.background_ns, until, ran_p, t_p)
@@ -360,7 +357,7 @@ class Flusher:
         act at any time (staging reads that failed wait to be dropped, or the media fail)."""
         if self.read_error or self.media_error is not None:
             return -math.inf
-        dev = self._nat()
+        dev = self.dev
         if dev is not None:
             return lib.chm_dev_quiet_until(dev, now)
         until = self.flights[0][0] if self.flights else math.inf  # a flush lands: tick retires it
@@ -374,8 +371,8 @@ class Flusher:
     # ---- flush writes ----------------------------------------------------------------
     def start_flush(self, entries: list[tuple[int, float]], now: float) -> None:
         """Write the dirty ``entries`` ((frame, write time)) to the media."""
-        if self._dev is not None:
-            self._demote()
+        if self.dev is not None:
+            self.to_python()
         self.stats["flush_batches"] += 1
         since = dict(entries)
         page_of = self.policy.page_of
@@ -406,7 +403,7 @@ class Flusher:
 
     def complete_flights(self, now: float) -> float:
         """Retire flushes that have landed by ``now``; returns the latest finish retired."""
-        dev = self._nat()
+        dev = self.dev
         if dev is not None:
             latest = lib.chm_dev_complete_flights(dev, now)
             if latest != latest:
@@ -470,7 +467,7 @@ class Flusher:
 
         Tries at once, whatever the media-error backoff says; raises the media error (ENOSPC, EIO, with
         the file) if pages remain unflushed -- they stay dirty in DRAM and are retried."""
-        dev = self._nat()
+        dev = self.dev
         if dev is not None:
             done = lib.chm_dev_flush(dev, now)
             self._fold()

@@ -24,9 +24,9 @@ def tiny_config(policy: str, dram_frames: int = 16, more: dict | None = None) ->
 def python_controller(ctl: Controller) -> Controller:
     """``ctl`` with its flusher's state in Python (the per-operation calls all Python's, but for the DRAM-hit
     read): the reference the native paths are held to."""
-    if ctl.flusher._dev is not None:
-        ctl.flusher._demote()
-    assert ctl.flusher._dev is None and ctl.native_dev.flusher == ffi.NULL
+    if ctl.flusher.dev is not None:
+        ctl.flusher.to_python()
+    assert ctl.flusher.dev is None and ctl.native_dev.flusher == ffi.NULL
     return ctl
 
 

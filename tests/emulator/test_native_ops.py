@@ -3,7 +3,7 @@ a built-in policy, ``write``, ``read``, ``prefetch``, ``release``, ``tick``, ``r
 ``quiet_until`` and ``flush`` run in C over the flusher's state held there.
 
 Each must leave the device exactly as the Python it replaces: two fresh controllers, one native and one with
-its flusher's state brought back to Python (``_demote``: every call then runs the Python code, but for the
+its flusher's state brought back to Python (``Flusher.to_python``: every call then runs the Python code, but for the
 DRAM-hit read, which is native in both), run the same operations at the same virtual times -- overlapping, as
 the replay issues them, with background work between -- and must return the same outcomes (or raise the same
 errors) and end in the same state: stats, latency histograms, pipes, SSD models, frame tables, per-frame
@@ -103,13 +103,13 @@ def run_ops(ctl: Controller, ops) -> list:
 
 def assert_same(make_ctl, ops, tail) -> tuple[Controller, list]:
     native, python = make_ctl(), python_controller(make_ctl())
-    assert native.flusher._dev is not None
+    assert native.flusher.dev is not None
     got = run_ops(native, ops)
     assert got == run_ops(python, ops)
     for table in (area.table for area in native.policy.areas):
         table.check()
     assert device_state(native) == device_state(python)
-    assert native.flusher._dev is not None  # stayed native all along
+    assert native.flusher.dev is not None  # stayed native all along
     assert run_ops(native, tail) == run_ops(python, tail)
     assert device_state(native) == device_state(python)
     return native, got
@@ -165,49 +165,65 @@ def test_a_mooncake_replay_prefix_runs_natively_as_in_python(policy):
         result = replay.run()
         result.pop("speed")
         results.append((result, device_state(replay.ctl)))
-        assert (replay.ctl.flusher._dev is not None) == native
+        assert (replay.ctl.flusher.dev is not None) == native
     assert results[0] == results[1]
     device = results[0][0]["device"]
     assert device["flushed_pages"] and (device["evictions"] and device["page_misses"] if policy == "lru" else
                                         device["prefetch_staged_pages"] and device["prefetch_resident_pages"])
 
 
-# ---- leaving native mode ----------------------------------------------------------------------------
+# ---- native or Python: chosen once ----------------------------------------------------------------
 
-def test_a_method_replaced_on_the_flusher_brings_the_state_back_to_python_where_it_carries_on():
+def test_a_method_replaced_on_a_native_flusher_changes_nothing_it_stays_native():
+    """The choice is made when the controller is built: replacing a method later does not bring the state
+    back to Python (a test watching a method builds the Python path: python_controller)."""
+    cfg = tiny_config("lru", 16, {"policy.lru_writeback_delay_ns": 1e6})
+    ops = random_ops(cfg, 5, 300)
+    native, python = Controller(cfg, None), python_controller(Controller(cfg, None))
+    started = []
+    start_flush = native.flusher.start_flush
+    native.flusher.start_flush = lambda entries, now: (started.append(now), start_flush(entries, now))
+    assert run_ops(native, ops) == run_ops(python, ops)
+    assert native.flusher.dev is not None and not started  # the C flusher started the flushes
+    native.flusher.__dict__.pop("start_flush")
+    assert device_state(native) == device_state(python)
+
+
+def test_the_state_brought_back_to_python_midway_carries_on_there():
     cfg = tiny_config("lru", 16, {"policy.lru_writeback_delay_ns": 1e6})
     ops = random_ops(cfg, 5, 300)
     native, python = Controller(cfg, None), python_controller(Controller(cfg, None))
     assert run_ops(native, ops[:150]) == run_ops(python, ops[:150])
     assert native.flusher.pending() != (0, 0)  # something to carry over
+    native.flusher.to_python()
     started = []
     start_flush = native.flusher.start_flush
     native.flusher.start_flush = lambda entries, now: (started.append(now), start_flush(entries, now))
     assert run_ops(native, ops[150:]) == run_ops(python, ops[150:])
-    assert native.flusher._dev is None and started
+    assert native.flusher.dev is None and started
     native.flusher.__dict__.pop("start_flush")
     assert device_state(native) == device_state(python)
 
 
-def test_a_policy_method_replaced_brings_the_state_back_to_python():
+def test_a_policy_method_replaced_on_the_python_path_is_called():
     cfg = tiny_config("hymcache")
-    ctl = Controller(cfg, None)
+    ctl = python_controller(Controller(cfg, None))
     ctl.write(0, None, 4 * KiB, 0.0)
     ctl.policy.next_flush_at = lambda dirty, now, reads_idle_at: None  # never
-    assert ctl.next_event_ns(0.0) is None and ctl.flusher._dev is None and ctl.dirty
+    assert ctl.next_event_ns(0.0) is None and ctl.flusher.dev is None and ctl.dirty
 
 
 @pytest.mark.parametrize("policy", ["libcachesim:LRU", "test-ops-plugin"])
 def test_other_policies_keep_the_flusher_in_python(policy):
     with fifo_plug_in("test-ops-plugin"):
         ctl = Controller(tiny_config(policy), None)
-        assert ctl.native_ops_problem() is not None and ctl.flusher._dev is None
+        assert ctl.native_ops_problem() is not None and ctl.flusher.dev is None
 
 
 def test_data_on_keeps_the_flusher_in_python(tmp_path):
     cfg = tiny_config("lru").with_overrides({"emulation.data": True})
     ctl = Controller(cfg, tmp_path / "media", log=lambda line: None, format_media=True)
     try:
-        assert ctl.native_ops_problem() == "emulation.data is on" and ctl.flusher._dev is None
+        assert ctl.native_ops_problem() == "emulation.data is on" and ctl.flusher.dev is None
     finally:
         ctl.close(0.0)
