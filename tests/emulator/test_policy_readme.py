@@ -1,4 +1,4 @@
-"""The README's "Write your own policy" example, exactly as printed: registered through the registry's
+"""docs/policies.md's "Write your own policy" example, exactly as printed: registered through the registry's
 API and through a ``chm.policies`` entry point, it runs the device and hits where LRU misses."""
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from emulator.policies import ENTRY_POINT_GROUP, available, policy_class, regist
 
 from .conftest import KiB, TINY
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "### Write your own policy"
-MODULE = "my_policies"  # the package the README's entry point names
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "policies.md"
+SECTION = "## Write your own policy"
+MODULE = "my_policies"  # the package the page's entry point names
 LOOP_PAGES = 20  # one more loop than the 16 frames of TINY hold
 
 
 def readme_example() -> types.ModuleType:
-    """The first python block of the README's section, run as the module ``my_policies``."""
-    section = README.read_text(encoding="utf-8").split(SECTION, 1)[1].split("\n## ", 1)[0]
+    """The first python block of the page's section, run as the module ``my_policies``."""
+    section = PAGE.read_text(encoding="utf-8").split(SECTION, 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     module = types.ModuleType(MODULE)
-    exec(compile(code, f"{README}:{SECTION}", "exec"), module.__dict__)
+    exec(compile(code, f"{PAGE}:{SECTION}", "exec"), module.__dict__)
     return module
 
 
 def readme_entry_point() -> importlib.metadata.EntryPoint:
-    """The entry point of the README's toml block."""
-    section = README.read_text(encoding="utf-8").split(SECTION, 1)[1]
+    """The entry point of the page's toml block."""
+    section = PAGE.read_text(encoding="utf-8").split(SECTION, 1)[1]
     toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
     assert f'[project.entry-points."{ENTRY_POINT_GROUP}"]' in toml
     name, value = re.search(r'^(\w+) = "([^"]+)"$', toml, re.M).groups()

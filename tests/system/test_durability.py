@@ -1,5 +1,5 @@
 """The durability contract, rule by rule, against real `chm serve` processes
-and the Python binding of libchm (README, "Durability contract").
+and the Python binding of libchm (docs/durability.md, "Durability contract").
 
 Writes are held in the write buffer (huge flush batch and delay) wherever a
 rule is about what is and is not yet on the media."""

@@ -320,11 +320,11 @@ def test_up_sets_up_keys_and_roles_for_its_processes_by_default():
 
 
 def test_the_readme_lists_every_method_with_its_roles():
-    """The README's table of RPC methods is the code's (MASTER_ROLES, MANAGER_ROLES), row for row."""
+    """docs/hymcache.md's table of RPC methods is the code's (MASTER_ROLES, MANAGER_ROLES), row for row."""
     from host_runtime.hymcache.manager import MANAGER_METHODS, MANAGER_ROLES
     from host_runtime.hymcache.master import MASTER_METHODS, MASTER_ROLES
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "hymcache.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0] in ("Master", "KV Manager") and not cells[1].endswith(".py`"):
             rows[(cells[0], cells[1].strip("`"))] = set(cells[2].split(", "))

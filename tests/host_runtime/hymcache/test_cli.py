@@ -260,7 +260,7 @@ def test_curve_keys_are_created_and_required(tmp_path):
 
 
 def test_master_and_manager_start_on_their_own(tmp_path):
-    """The way the README puts them on different machines: each piece alone, told where the Master is."""
+    """The way docs/hymcache.md puts them on different machines: each piece alone, told where the Master is."""
     port = free_port()
     master, minfo = master_proc(tmp_path, port=port)
     try:
