@@ -5,8 +5,10 @@ classes whichever device it talks to."""
 
 import errno as _errno
 
+from common.errors import ReportedError
 
-class ChmError(Exception):
+
+class ChmError(ReportedError):
     """A device error. ``errno`` is the positive errno value (EINVAL, ERANGE, ...)."""
 
     def __init__(self, err: int, message: str):

@@ -32,6 +32,8 @@ import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.fs import fsync_dir
+
 from .config import Config
 from .errors import ChmError
 
@@ -83,15 +85,6 @@ class MediaMeta:
             raise bad(f"has format version {version}; this device reads version {META_VERSION}")
         return cls(epoch, {"ssd.count": count, "ssd.capacity_bytes": capacity, "ssd.stripe_bytes": stripe,
                            "device.page_size_bytes": page}, bool(clean))
-
-
-def fsync_dir(path) -> None:
-    """Make a rename or a new file in directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_meta(media_dir: Path, meta: MediaMeta) -> None:

@@ -1,9 +1,3 @@
-"""How the device's tools print sizes (no dependencies, so any layer may use it)."""
+"""How the device's tools print sizes (``common.units``, re-exported for the emulator's modules)."""
 
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
+from common.units import format_bytes  # noqa: F401

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from emulator.cli import ChmArgumentParser, UsageError, float_in, int_at_least
+from common.cli import ChmArgumentParser, UsageError, float_in, int_at_least
 
 from .names import EVAL_ROWS, HOST_DRAM_BYTES, MAPPINGS, METHODS, STRATEGY_MODES, TIMINGS
 from .perfmodel import METHODS as PERF_METHODS

@@ -13,7 +13,7 @@
     chm hymcache chat --turns 4 --conversations 3 [--master ADDR] [--json]
         the SmolLM2 multi-turn demo through the KV connector, against a running set or one of its own.
 
-Errors follow ``emulator.cli.run``: ``chm hymcache CMD: error: ...``, exit 2 for usage, 1 at run time.
+Errors follow ``common.cli.run``: ``chm hymcache CMD: error: ...``, exit 2 for usage, 1 at run time.
 ``python -m host_runtime.hymcache.cli CMD ...`` is ``chm hymcache CMD ...`` without loading the other
 subcommands (the way ``up`` starts its children).
 """
@@ -35,10 +35,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import cli
+from common.cli import UsageError, float_in, int_at_least
+from common.units import format_bytes
 from driver.errors import ChmError
 from emulator.serve.cli import parse_override
-from emulator import cli
-from emulator.cli import UsageError, float_in, int_at_least
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEFAULT_STOP_TIMEOUT_S = 20.0
@@ -851,7 +852,7 @@ def _chat(args) -> int:
         for _, key, w in cols:
             v = r[key]
             if key == "loaded_bytes":
-                v = cli.format_bytes(v)
+                v = format_bytes(v)
             elif v is None:
                 v = "-"
             elif isinstance(v, float):

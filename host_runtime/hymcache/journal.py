@@ -49,7 +49,7 @@ from typing import Callable, Union
 import msgspec
 
 from driver.errors import ChmError
-from emulator.media import fsync_dir
+from common.fs import fsync_dir
 
 from .messages import DeviceInfo
 

@@ -7,13 +7,14 @@ import os
 import sys
 from pathlib import Path
 
-from emulator.cli import UsageError, float_in, int_at_least
+from common.cli import UsageError, float_in, int_at_least
+from common.units import parse_bytes
 from emulator.config import FIELDS_BY_KEY, load_profile, parse_field_value
 from emulator.errors import ConfigError
 
 from .driver import DEFAULT_WINDOW_BYTES, VARIANTS, Replay, replay_config
 from .lcs_trace import TRACE_FORMATS, LibCacheSimTrace, parse_trace_params, trace_format
-from .models import MODELS, get_model, parse_bytes
+from .models import MODELS, get_model
 from .prefill import DEFAULT_GPU, FALLBACK_MODEL, gpu_names, load_gpu, prefill_for_block
 from .report import format_recompute, format_summary, format_table, write_outputs, wrote
 from .traces import (TIME_SCALE_RANGE, WINDOW_S_RANGE, ConversationGenerator, HymcacheMicrobench, MooncakeTrace,

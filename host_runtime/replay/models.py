@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+from common.units import GiB, KiB, MiB, parse_bytes  # noqa: F401 (parse_bytes re-exported)
+
 DEFAULT_TOKENS_PER_BLOCK = 128  # the HyMCache paper's KV block: 128 tokens
 
 
@@ -81,28 +82,3 @@ def get_model(name: str) -> KvModel:
         return MODELS[name.lower()]
     except KeyError:
         raise ValueError(f"model {name!r} is not in the model table; known: {', '.join(MODELS)}") from None
-
-
-_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40}
-
-
-def parse_bytes(text: str | int, what: str = "size") -> int:
-    """``"64MiB"`` -> 67108864. Binary units only (KV sizes are powers of two), named in errors."""
-    if isinstance(text, int):
-        value = text
-    else:
-        s = str(text).strip().lower().replace(" ", "")
-        number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(number):]
-        if unit not in _UNITS or not number:
-            raise ValueError(f"{what} = {text!r} is not a byte count; use an integer with an optional unit "
-                             f"KiB, MiB, GiB or TiB (e.g. 64MiB)")
-        try:
-            value = int(float(number) * _UNITS[unit])
-        except ValueError:
-            raise ValueError(f"{what} = {text!r} is not a byte count (e.g. 64MiB)") from None
-        except OverflowError:  # 1e400 is an infinite float
-            raise ValueError(f"{what} = {text!r} is not a finite byte count (e.g. 64MiB)") from None
-    if value <= 0:
-        raise ValueError(f"{what} = {text!r} must be positive")
-    return value

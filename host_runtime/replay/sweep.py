@@ -25,12 +25,12 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from emulator.cli import UsageError, int_at_least
+from common.cli import UsageError, int_at_least
+from common.units import parse_bytes
 from emulator.config import FIELDS_BY_KEY, parse_field_value
 from emulator.errors import ConfigError
 
 from .driver import VARIANTS
-from .models import parse_bytes
 
 # shorthand -> (what it sets, help)
 SHORTHANDS: dict[str, tuple[str, str]] = {

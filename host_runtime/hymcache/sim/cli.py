@@ -77,7 +77,7 @@ def _show(value) -> str:
 
 def preset_settings(args, figure: str | None = None) -> dict:
     """The preset's settings: ``--preset``'s file, else figure ``figure`` (default ``--figure``, else 13)."""
-    from emulator.cli import UsageError
+    from common.cli import UsageError
 
     if args.preset:
         return load_settings(args.preset)  # a bad file is bad input (exit 1), named with its field
@@ -90,7 +90,7 @@ def preset_settings(args, figure: str | None = None) -> dict:
 
 def flag_settings(args) -> dict:
     """{key: value} of the setting flags given, each checked (UsageError naming the flag, value and range)."""
-    from emulator.cli import UsageError
+    from common.cli import UsageError
 
     out = {}
     for f in FIELDS:
@@ -104,7 +104,7 @@ def flag_settings(args) -> dict:
 
 
 def settings_from_args(args) -> dict:
-    from emulator.cli import UsageError
+    from common.cli import UsageError
 
     s = preset_settings(args)
     s.update(flag_settings(args))

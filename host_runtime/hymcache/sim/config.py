@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from host_runtime.replay.models import MODELS, parse_bytes
+from common.units import parse_bytes
+from host_runtime.replay.models import MODELS
 from host_runtime.replay.prefill import read_toml
 from host_runtime.replay.traces import TIME_SCALE_RANGE, WINDOW_S_RANGE
 

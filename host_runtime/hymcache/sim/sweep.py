@@ -72,7 +72,7 @@ def parse_axes(items: list[str]) -> dict[str, list]:
 
     A bad item is a UsageError naming the field, the value and what is allowed (``chm replay --sweep``'s
     convention)."""
-    from emulator.cli import UsageError
+    from common.cli import UsageError
 
     axes: dict[str, list] = {}
     for item in items:
@@ -102,7 +102,7 @@ def parse_axes(items: list[str]) -> dict[str, list]:
 
 def _conflicts(args, axes: dict[str, list], flags: dict[str, Any]) -> None:
     """An axis and a flag that both choose the same setting: a UsageError."""
-    from emulator.cli import UsageError
+    from common.cli import UsageError
 
     for name in axes:
         target = _target(name)
@@ -120,7 +120,7 @@ def _conflicts(args, axes: dict[str, list], flags: dict[str, Any]) -> None:
 def point_specs(args, axes: dict[str, list]) -> list[dict]:
     """Every point's task spec ({"point", "settings"}), in grid order, its settings checked here first: a bad
     point is a UsageError naming it."""
-    from emulator.cli import UsageError
+    from common.cli import UsageError
 
     from .cli import flag_settings, preset_settings
 
@@ -310,7 +310,7 @@ def register(sub) -> None:
 
 
 def _sweep(args) -> int:
-    from emulator.cli import UsageError
+    from common.cli import UsageError
 
     if args.scheduler and args.workers is not None:
         raise UsageError("--workers is for the LocalCluster; a --scheduler's cluster has its own workers")
