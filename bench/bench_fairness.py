@@ -13,6 +13,8 @@ reads are in flight, so beside the stager it waits for none of them (before
 that change: up to a whole staging, ~12 ms at p99).
 
     python -m bench bench_fairness            (or: make bench)
+
+Results: ``bench/results/bench_fairness.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import result_files
 from bench.bench_libchm import LIBCHM, HERE, _run_json, _Serve
 from emulator.serve.server import CHUNK_BYTES
 
@@ -147,6 +150,20 @@ def main(argv: list[str]) -> int:
         gbps = statistics.median(stager_gbps)
         print(f"    the stager meanwhile: {gbps:.2f} GB/s (wall); one whole staging at that rate: "
               f"{STAGED_OBJECT / gbps / 1000:.1f} us (what a wait in the device's thread would hold the victim up)")
+    p50_p99 = lambda runs: f"{med(runs, 'p50_ns'):.1f} / {med(runs, 'p99_ns'):.1f} µs"  # noqa: E731
+    big, stager = (statistics.median(r) if r else None for r in (big_gbps, stager_gbps))
+    rows = [(f"4 KiB read beside a {BIG_READ >> 20} MiB reader, p50 / p99", p50_p99(beside),
+             f"alone {p50_p99(alone)}" + ("" if big is None else
+                                          f"; one {CHUNK_BYTES >> 20} MiB piece at the reader's {big:.2f} GB/s: "
+                                          f"{CHUNK_BYTES / big / 1000:.1f} µs"), "one piece"),
+            (f"4 KiB read beside a client staging {STAGED_OBJECT >> 20} MiB objects from the SSDs, p50 / p99",
+             p50_p99(beside_stager),
+             f"alone {p50_p99(alone)}" + ("" if stager is None else
+                                          f"; one whole staging at the stager's {stager:.2f} GB/s: "
+                                          f"{STAGED_OBJECT / stager / 1e6:.1f} ms"), "none of it")]
+    result_files.write("bench_fairness", rows, {
+        "alone": alone, "beside_reader": beside, "beside_stager": beside_stager, "reader_gbps": big_gbps,
+        "stager_gbps": stager_gbps, "rounds": args.rounds, "iters": args.iters}, argv)
     return 0
 
 

@@ -7,6 +7,8 @@ access (``lookup_or_insert``), the controller's three calls per access (``lookup
 an LRU written in Python as a plug-in (the slower path), and the peer, libCacheSim's ``process_trace``
 (LRU, its own oracleGeneral reader) on the same accesses. Each row checks its miss count against the
 peer's. Best of three runs.
+
+Results: ``bench/results/bench_frame_table.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import OrderedDict
 from itertools import filterfalse
 from pathlib import Path
 
+from bench import result_files
 from emulator.frame_table import EvictionPolicy, FrameTable
 from emulator.policies import policy_class
 from emulator.shared_data import mooncake_conversation_trace
@@ -32,7 +35,7 @@ ORACLE_GENERAL = struct.Struct("<IQIq")  # libCacheSim's oracleGeneral record: t
 
 
 class PythonLru(EvictionPolicy):
-    """LRU as a plug-in would write it (README, "Write your own policy")."""
+    """LRU as a plug-in would write it (docs/policies.md, "Write your own policy")."""
 
     def __init__(self, capacity, params=None):
         super().__init__(capacity)
@@ -117,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     for label, seconds, misses in rows:
         ratio = f"{peer / seconds:7.2f}" if peer else "      -"
         print(f"  {label:<40} {n / seconds / 1e6:8.2f} {ratio} {misses:>8}")
+    result_files.write("bench_frame_table", [
+        (label, f"{n / seconds / 1e6:.2f}", f"{peer / seconds:.2f}" if peer else "-", str(misses))
+        for label, seconds, misses in rows],
+        {"accesses": n, "frames": FRAMES, "runs": RUNS,
+         "rows": [{"what": label, "seconds": seconds, "misses": misses} for label, seconds, misses in rows]},
+        columns=("frame table", "M accesses/s", "× libCacheSim process_trace (LRU)", "misses"))
     lru_misses = {misses for label, _, misses in rows if label.startswith(("peer", "lru"))}
     if len(lru_misses) != 1:
         print(f"  LRU miss counts differ: {sorted(lru_misses)}", file=sys.stderr)

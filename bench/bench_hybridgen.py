@@ -5,6 +5,8 @@ KV heads of 64 channels, fp32 K rows in host DRAM, token-major as HostKV
 stores them). The peer is the same machine's memory read bandwidth (a
 reduction over an equally large buffer) and copy bandwidth; the goal is a
 scan at >= 60% of the read bandwidth.
+
+Results: ``bench/results/bench_hybridgen.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 import torch
 
+from bench import result_files
 from host_runtime.hybridgen.attention import cpu_logits_rows
 
 
@@ -61,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'memory read bandwidth (sum)':<34} {read:7.2f} GB/s")
     print(f"{'memory copy bandwidth (rd+wr)':<34} {copy:7.2f} GB/s")
     print(f"kernel / read bandwidth = {logits / read:.0%} (goal >= 60%)")
+    result_files.write("bench_hybridgen", [
+        ("CPU logits kernel, GB/s of K scanned", f"{logits:.2f} GB/s",
+         f"memory read bandwidth {read:.2f} GB/s ({logits / read:.0%}); copy {copy:.2f} GB/s", "≥ 60%")],
+        {"mib": args.mib, "tokens": tokens, "threads": args.threads, "repeats": args.repeats,
+         "logits_gbps": logits, "read_gbps": read, "copy_gbps": copy}, argv)
     return 0
 
 

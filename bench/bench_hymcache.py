@@ -17,6 +17,8 @@ Every piece is a real process: ``chm serve`` (the device), ``chm hymcache master
 ``chm hymcache manager``; the worker is this process.
 
     python -m bench bench_hymcache            (or: make bench)
+
+Results: ``bench/results/bench_hymcache.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import result_files
 from driver.errors import ChmError
 
 HERE = Path(__file__).resolve().parent
@@ -458,6 +461,26 @@ def main(argv: list[str]) -> int:
           f"{1e3 * blk['load_False']:.2f} ms")
     print(f"    checksum (xxh3) on the local path: {1e3 * (blk['connector_checked'] - blk['connector']):+.2f} ms per "
           f"block; the ZeroMQ path over the local one: {1e3 * (blk['zmq'] - blk['connector']):+.2f} ms per block")
+    us = lambda key: f"{1e6 / lk[key]:.1f} µs"  # noqa: E731
+    ms_of_floor = lambda key: f"{1e3 * blk[key]:.2f} ms ({base / blk[key]:.2f} of the floor)"  # noqa: E731
+    rows = [(f"Master lookup, batch of {BATCH}, in process / over ZeroMQ",
+             f"{us('master_in_process')} / {us('master_zmq')}",
+             f"dict {us('dict')} / bare ZeroMQ round trip {us('zmq_round_trip')}", ""),
+            ("Master metadata per entry", ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in bpe.items()), "the 64-byte entry", "64 + index"),
+            (f"append-only allocation after {frag['ops']} churn rounds ({CHURN_DEVICE_BYTES >> 30} GiB device)",
+             f"used {frag['used']:.0%}, fragmentation {frag['fragmentation']:.2f} (worst over the second half "
+             f"{frag['worst_fragmentation']:.2f}), {frag['freed_extents']} freed extents, {frag['evictions']} "
+             f"evictions, {frag['no_space']} puts refused", "", "no put refused"),
+            (f"{mb:g} MiB block of an earlier turn, at rest: Lookup → Manager → connector → engine KV, checksum off / on",
+             f"{ms_of_floor('connector')} / {ms_of_floor('connector_checked')}",
+             f"bare libchm read of the block at rest: {1e3 * base:.2f} ms", "≥ 0.8 of the floor"),
+            ("the same, a Lookup that remembers nothing (Master lookup, then hint)", ms_of_floor("connector_cold"),
+             "the same floor", ""),
+            ("the same block through the Manager over ZeroMQ (remote worker)", ms_of_floor("zmq"), "", "")]
+    result_files.write("bench_hymcache", rows, {"lookups": lk, "fragmentation": frag, "block": blk,
+                                                "block_bytes": args.block_bytes, "rounds": args.rounds,
+                                                "block_rounds": args.block_rounds}, argv)
     return 0
 
 

@@ -5,6 +5,8 @@ file region: the emulator through its backend (``emulator.ssd.SsdBackend``,
 the path every staging read and flush takes), fio with
 ``--ioengine=io_uring --direct=1``. The region is written before it is read,
 so reads hit allocated blocks, not holes.
+
+Results: ``bench/results/bench_ssd.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import result_files
 from emulator.config import load_profile
 from emulator.ssd import SsdBackend, media_file
 
@@ -90,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     for rw, (emu, fio, emu_all, fio_all) in results.items():
         passes = " ".join(f"{x:.2f}" for x in emu_all) + " | " + " ".join(f"{x:.2f}" for x in fio_all)
         print(f"{rw:8}{emu:15.2f}{fio:12.2f}{emu / fio:9.0%}   {passes}")
+    setting = f"{args.bs_kib} KiB blocks, {depth} in flight, O_DIRECT io_uring, median of {args.repeats} passes"
+    result_files.write("bench_ssd", [
+        (f"SSD backend {rw}, {setting}", f"{emu:.2f} GB/s", f"fio, same file: {fio:.2f} GB/s ({emu / fio:.0%})",
+         "≥ 80% of fio") for rw, (emu, fio, _, _) in results.items()],
+        {"size_mib": args.size_mib, "bs_kib": args.bs_kib, "depth": depth, "repeats": args.repeats,
+         **{rw: {"emulator_gbps": emu, "fio_gbps": fio, "emulator_passes": e, "fio_passes": f}
+            for rw, (emu, fio, e, f) in results.items()}}, argv)
     return 0
 
 

@@ -6,7 +6,7 @@ over the HyMCache microbenchmark (``--policy lru``, paper profile, 64 MiB blocks
 ``TURNS`` turns): four points of about the same cost, each over 30 s on the 2-core box. Serial: the four points one after
 another in this process (the same ``run_point`` a worker runs). Parallel: ``run_sweep`` -- cluster start,
 the four tasks, gather, cluster close -- all timed. The results must be equal point by point (rows and
-totals), or the bench fails.
+totals), or the bench fails. Results: ``bench/results/bench_sweep.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from bench import result_files
 
 GOAL = 0.6
 TASK_GOAL_S = 30.0
@@ -66,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  shortest task {shortest:.1f} s (goal: at least {TASK_GOAL_S:g} s) -> "
           f"{'met' if shortest >= TASK_GOAL_S else 'MISSED (raise --turns)'}; results equal point by point: "
           f"{'yes' if same else 'NO'}")
+    result_files.write("bench_sweep", [
+        (f"`chm replay --sweep`: 4 microbenchmark replays ({CONCURRENCY} requests x {args.turns} turns; tasks "
+         f"{shortest:.1f} s and up), serial vs a LocalCluster of 2 single-threaded workers",
+         f"{serial_s:.1f} s vs {parallel_s:.1f} s ({ratio:.2f}x), cluster start and stop included; results equal "
+         f"point by point: {'yes' if same else 'NO'}", "", f"≤ {GOAL:g}x, tasks ≥ {TASK_GOAL_S:g} s")],
+        {"serial_s": serial_s, "parallel_s": parallel_s, "ratio": ratio, "shortest_task_s": shortest,
+         "same": same, "turns": args.turns, "concurrency": CONCURRENCY,
+         "task_wall_s": {r["point"]["device_policy"]: r["speed"]["wall_s"] for r in serial}}, argv)
     return 0 if same else 1
 
 
