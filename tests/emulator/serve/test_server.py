@@ -224,13 +224,16 @@ def test_the_device_stays_awake_a_while_after_a_staged_wait(server):
 def test_the_spin_after_a_staged_wait_ends_and_never_starts_with_spin_us_0():
     import types
 
-    from emulator.serve.server import STAGED_SPIN_NS, DeviceServer
+    from emulator.serve.server import STAGED_SPIN_NS, DeviceServer, ManualClock
 
-    srv = types.SimpleNamespace(spin_ns=50_000, _staged_spin_until=0)
+    clock = ManualClock()
+    srv = types.SimpleNamespace(spin_ns=50_000, _staged_spin_until=0, clock=clock)
     assert DeviceServer._spin_ns(srv) == 50_000
     DeviceServer._staged(srv)
-    assert 0.5 * STAGED_SPIN_NS < DeviceServer._spin_ns(srv) <= STAGED_SPIN_NS
-    srv._staged_spin_until = time.monotonic_ns() - 1  # past: back to spin_us, and forgotten
+    assert DeviceServer._spin_ns(srv) == STAGED_SPIN_NS
+    clock.advance(0.5 * STAGED_SPIN_NS / 1e9)
+    assert DeviceServer._spin_ns(srv) == 0.5 * STAGED_SPIN_NS  # what is left of it
+    clock.advance(STAGED_SPIN_NS / 1e9)  # past: back to spin_us, and forgotten
     assert DeviceServer._spin_ns(srv) == 50_000 and srv._staged_spin_until == 0
     srv.spin_ns = 0  # --spin-us 0: never spins, not even after a staged wait
     DeviceServer._staged(srv)
