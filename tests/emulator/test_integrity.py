@@ -12,7 +12,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from emulator import ChmError, Device, WriteBufferFull
 
-from .conftest import KiB, TINY
+from .conftest import TINY
 
 CAPACITY = 2 * TINY["ssd.capacity_bytes"]
 PAGE = TINY["device.page_size_bytes"]

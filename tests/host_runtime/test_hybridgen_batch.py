@@ -45,9 +45,9 @@ def decode(model, opts, prompts, continuations):
     return torch.stack(out)
 
 
-def batch_and_alone(smol, case: str):
+def batch_and_alone(model_and_tokenizer, case: str):
     """(sequence b, its logits decoded in the ragged batch, its logits decoded alone) for each sequence."""
-    model, tok = smol
+    model, tok = model_and_tokenizer
     ids = tok.encode(long_english_text())
     prompts = [ids[100 * b:100 * b + n] for b, n in enumerate(LENGTHS)]
     continuations = [ids[100 * b + n:100 * b + n + STEPS] for b, n in enumerate(LENGTHS)]

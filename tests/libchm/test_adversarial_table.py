@@ -211,7 +211,7 @@ def test_stats_after_two_million_operations_cost_what_they_cost_after_a_tenth_of
     addrs = array("Q", [(i % 4096) * PAGE for i in range(n)])
     few.run_sequential(kinds * (n // 10), addrs[:n // 10], array("Q", [4096]) * (n // 10))  # the same pages
     assert many.run_sequential(kinds * n, addrs, array("Q", [4096]) * n).native_ops == n
-    (small, small_bytes, small_peak), (big, big_bytes, big_peak) = snapshot_cost(few), snapshot_cost(many)
+    (_, small_bytes, small_peak), (big, big_bytes, big_peak) = snapshot_cost(few), snapshot_cost(many)
     assert big["reads"] == n and big["latency"]["read"]["count"] == n
     assert big_bytes <= small_bytes + 64, (small_bytes, big_bytes)  # wider numbers, nothing more
     assert big_peak <= small_peak + 1024, (small_peak, big_peak)  # no per-operation state to walk

@@ -162,14 +162,14 @@ async def trace_ops(tb: TB, requests: int) -> None:
     chunk = max(1, tb.ways // 2)
     for req in trace_requests(requests):
         pages = req["hash_ids"]
-        for start in range(0, len(pages), chunk):
+        for first in range(0, len(pages), chunk):
             frames = []
-            for page in pages[start: start + chunk]:
+            for page in pages[first: first + chunk]:
                 r = await tb.op(INSERT, page=page % (1 << tb.addr_w))
                 if r["ok"]:
                     await tb.op(PIN, frame=r["frame"])
                     frames.append(r["frame"])
-            if frames and start + chunk >= len(pages):
+            if frames and first + chunk >= len(pages):
                 await tb.op(MARK_DIRTY, frame=frames[-1])
             for frame in frames:
                 await tb.op(UNPIN, frame=frame)
