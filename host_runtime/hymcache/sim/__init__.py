@@ -29,7 +29,7 @@ How it is built:
   ``open_client``: a trace, open loop).
 * ``gpu.py``: step time from FLOPs and bytes on a GPU profile (``replay/prefill.py`` + ``gpus/``);
   ``gpucache.py``: vLLM's prefix cache (LRU of free blocks, tail first).
-* ``tiers.py``: the remote tiers behind one interface (``RemoteTier``): recompute, gpu-prefix,
+* ``tiers/``: the remote tiers, one per module, behind one interface (``RemoteTier``): recompute, gpu-prefix,
   lmcache-local, mooncake-dram (Mooncake Store's master over one DRAM segment per prefill node, transfer
   buffers with insert timeouts), hymcache (the runtime's ``Master`` and ``KVManager`` in process on a
   ``ManualClock`` the simulation drives, over the emulator's ``Controller`` with data off),
