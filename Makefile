@@ -3,17 +3,21 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := liburing-dev fio iverilog pkg-config
+# gcc: the native modules' compiler; its libgcc-N-dev brings the ASan and UBSan runtimes (libasan, libubsan)
+# of its version, which `make sanitize` links and preloads.
+APT_PACKAGES := liburing-dev fio iverilog pkg-config gcc
 STAMP := $(VENV)/.installed
 MODEL := build/smollm2-hf/config.json
 
-.PHONY: all setup test demo bench clean help libchm native install rtl-test repro repro-vllm
+.PHONY: all setup test lint sanitize demo bench clean help libchm native install rtl-test repro repro-vllm
 
 all: setup
 
 help:
 	@echo "make demo   - run the demo on built-in defaults (installs what is missing)"
 	@echo "make test   - run the whole test suite (installs what is missing)"
+	@echo "make lint   - ruff (ruff.toml) and the hand-written C with -Wall -Wextra -Werror (part of make test)"
+	@echo "make sanitize - libchm, the server loop and the native core under ASan+UBSan (part of make test)"
 	@echo "make rtl-test - only the RTL benches (cocotb + Icarus; SIM=verilator for Verilator)"
 	@echo "make bench  - benchmarks, side by side with their physical limits / peers"
 	@echo "make repro  - reproduce the HyMCache device results by trace replay (paper scale, a few minutes)"
@@ -71,8 +75,19 @@ libchm: $(STAMP)
 install: libchm
 	$(MAKE) -C libchm install PREFIX=$(PREFIX)
 
-test: setup
+# The gates first (seconds, then under a minute), then the suite.
+test: setup lint sanitize
 	$(PY) -m pytest -q tests
+
+# Python lint (ruff.toml) and every hand-written C file compiled with -Wall -Wextra -Werror (tools/ci/cwarn.py).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m tools.ci.cwarn
+
+# libchm, the server loop and the native core built with ASan+UBSan into build/sanitize/, the libchm tests and
+# the C stress client run against them: a sanitizer report fails it (tools/ci/sanitize.py).
+sanitize: native libchm
+	$(PY) -m tools.ci.sanitize
 
 # RTL benches in lockstep with the emulator's reference models (also part of `make test`).
 rtl-test: $(STAMP) native
