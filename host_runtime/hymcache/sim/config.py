@@ -1,17 +1,23 @@
-"""The simulation's settings: one table of fields, read from a preset TOML and overridden from the command line.
+"""The simulation's settings, declared once: a table of fields (section, kind, allowed range, command-line flag),
+from which the typed sections a preset is converted into are built (``msgspec`` Structs with the ranges, through
+``common.checks``); a command-line value is checked against the same field.
 
-Every field has a section, a kind, an allowed range and a command-line flag; a value out of range is an
-error naming the field (or flag), the value and the range, whether it came from a file or a flag.
-Presets live in ``presets/figNN.toml``; every number there names its source.
+A value out of range is an error naming the field (or flag), the value and the range, whether it came from a file
+or a flag (``common.checks``' wording). Presets live in ``presets/figNN.toml``; every number there names its source.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Callable, Literal
 
+import msgspec
+from msgspec import Meta
+
+from common.checks import Checks
 from common.units import parse_bytes
 from host_runtime.replay.models import MODELS
 from host_runtime.replay.prefill import read_toml
@@ -21,12 +27,13 @@ from .tiers import TIERS
 
 PRESET_DIR = Path(__file__).with_name("presets")
 TiB = 1 << 40
+CHECK = Checks(ValueError)  # the simulation's settings errors are ValueErrors (the CLI makes them usage errors)
 
 
 @dataclass(frozen=True)
 class Field:
     key: str            # section.name
-    kind: str           # int, float, bytes, str, tiers, choice
+    kind: str           # a key of KINDS
     lo: float = -math.inf
     hi: float = math.inf
     flag: str = ""
@@ -40,6 +47,16 @@ class Field:
     @property
     def name(self) -> str:
         return self.key.split(".")[1]
+
+    @property
+    def type(self) -> Any:
+        """The type a checked value has, with the field's range (what ``msgspec.convert`` enforces)."""
+        return KINDS[self.kind].type(self)
+
+    @property
+    def allowed(self) -> str:
+        """The range, as an error states it."""
+        return KINDS[self.kind].allowed(self)
 
 
 FIELDS = [
@@ -131,24 +148,6 @@ FIELDS = [
 BY_KEY = {f.key: f for f in FIELDS}
 
 
-def _range(f: Field) -> str:
-    if f.kind == "choice":
-        return f"one of {', '.join(f.choices)}"
-    if f.kind == "byteslist":
-        return "a list of byte counts (integers, or with a unit: KiB, MiB, GiB, TiB), possibly empty"
-    if f.kind == "tiers":
-        return f"a non-empty list of distinct tiers from {', '.join(TIERS)}"
-    if f.kind == "str":
-        return "a non-empty string"
-    if f.kind == "path":
-        return "a file path, or \"\" for the default"
-    if f.kind == "int":
-        return f"an integer in [{int(f.lo)}, {int(f.hi)}]"
-    if f.kind == "bytes":
-        return f"a byte count in [{_bytes(f.lo)}, {_bytes(f.hi)}] (an integer, or with a unit: KiB, MiB, GiB, TiB)"
-    return f"a number in [{f.lo:g}, {f.hi:g}]"
-
-
 def _bytes(n: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:
@@ -156,69 +155,106 @@ def _bytes(n: float) -> str:
     return str(int(n))
 
 
+def _byte_count(value: Any) -> int:
+    """An integer, or a count with a unit (``"64GiB"``); 0 is a count (its range decides)."""
+    if isinstance(value, bool):
+        raise TypeError(value)
+    return value if isinstance(value, int) else parse_bytes(value)
+
+
+def _byte_counts(value: Any) -> Any:
+    """A command line's comma-separated byte counts, or a preset's list of them."""
+    items = [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
+    return [parse_bytes(item) for item in items] if isinstance(items, list) else items
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Kind:
+    type: Callable[[Field], Any]          # the checked value's type, with the field's range
+    allowed: Callable[[Field], str]       # that range as an error states it
+    read: Callable[[Any], Any] = _as_is   # the written forms it accepts beyond the type (command-line text,
+    #                                       units, comma lists, any case); ValueError / TypeError if none fits
+
+
+_UNITS = "(an integer, or with a unit: KiB, MiB, GiB, TiB)"
+KINDS = {
+    "int": Kind(lambda f: Annotated[int, Meta(ge=int(f.lo), le=int(f.hi))],
+                lambda f: f"an integer in [{int(f.lo)}, {int(f.hi)}]", lambda v: int(v) if isinstance(v, str) else v),
+    "float": Kind(lambda f: Annotated[float, Meta(ge=f.lo, le=f.hi)], lambda f: f"a number in [{f.lo:g}, {f.hi:g}]",
+                  lambda v: float(v) if isinstance(v, str) else v),
+    "bytes": Kind(lambda f: Annotated[int, Meta(ge=int(f.lo), le=int(f.hi))],
+                  lambda f: f"a byte count in [{_bytes(f.lo)}, {_bytes(f.hi)}] {_UNITS}", _byte_count),
+    "choice": Kind(lambda f: Literal[f.choices], lambda f: f"one of {', '.join(f.choices)}",
+                   lambda v: v.lower() if isinstance(v, str) else v),
+    "str": Kind(lambda f: Annotated[str, Meta(min_length=1)], lambda f: "a non-empty string"),
+    "path": Kind(lambda f: str, lambda f: "a file path, or \"\" for the default"),
+    "tiers": Kind(lambda f: Annotated[list[Literal[TIERS]], Meta(min_length=1)],
+                  lambda f: f"a non-empty list of distinct tiers from {', '.join(TIERS)}",
+                  lambda v: [t.strip() for t in v.split(",")] if isinstance(v, str) else v),
+    "byteslist": Kind(lambda f: list[Annotated[int, Meta(ge=1)]],
+                      lambda f: "a list of byte counts (integers, or with a unit: KiB, MiB, GiB, TiB), possibly empty", _byte_counts),
+}
+
+
 def check(f: Field, value: Any, where: str | None = None) -> Any:
-    """``value`` as the field's type, or ValueError naming the field (or ``where``), the value and the range."""
-    name = where or f.key
+    """``value`` (a flag's text, a sweep's value, a preset's entry) as the field's type, or ValueError naming the
+    field (or ``where``), the value and the range."""
+    where = where or f.key
+    try:
+        typed = KINDS[f.kind].read(value)
+    except (ValueError, TypeError):
+        raise CHECK.fail(where, value, f.allowed) from None
+    try:
+        checked = msgspec.convert(typed, f.type, strict=True)
+    except msgspec.ValidationError:
+        raise CHECK.fail(where, typed if f.kind in ("int", "float") else value, f.allowed) from None
+    if f.kind == "tiers" and len(set(checked)) != len(checked):
+        raise CHECK.fail(where, value, f.allowed)
+    return checked
 
-    def bad():
-        return ValueError(f"{name} = {value!r} is outside the allowed range: {_range(f)}")
 
-    if f.kind == "int":
-        if isinstance(value, str):
-            try:
-                value = int(value)
-            except ValueError:
-                raise bad() from None
-        if isinstance(value, bool) or not isinstance(value, int) or not f.lo <= value <= f.hi:
-            raise bad()
-        return value
-    if f.kind == "float":
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise bad() from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not f.lo <= value <= f.hi:
-            raise bad()  # NaN fails too
-        return float(value)
-    if f.kind == "bytes":
-        try:
-            n = parse_bytes(value, name) if not (isinstance(value, int) and value == 0) else 0
-        except (ValueError, TypeError):
-            raise bad() from None
-        if isinstance(value, bool) or not f.lo <= n <= f.hi:
-            raise bad()
-        return n
-    if f.kind == "choice":
-        if not isinstance(value, str) or value.lower() not in f.choices:
-            raise bad()
-        return value.lower()
-    if f.kind == "str":
-        if not isinstance(value, str) or not value:
-            raise bad()
-        return value
-    if f.kind == "path":
-        if not isinstance(value, str):
-            raise bad()
-        return value
-    if f.kind == "byteslist":
-        items = [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
-        if not isinstance(items, list):
-            raise bad()
-        out = []
-        for item in items:
-            try:
-                out.append(parse_bytes(item, name))
-            except (ValueError, TypeError):
-                raise bad() from None
-        return out
-    if f.kind == "tiers":
-        items = [t.strip() for t in value.split(",")] if isinstance(value, str) else value
-        if not isinstance(items, list) or not items or any(t not in TIERS for t in items) \
-                or len(set(items)) != len(items):
-            raise bad()
-        return list(items)
-    raise AssertionError(f.kind)
+def _attr(name: str) -> str:
+    return name.replace("-", "_")  # a TOML name that is not a Python one (the section cmm-h)
+
+
+class Figure(msgspec.Struct):
+    """A preset's [figure]: which of the paper's figures it sets up (any other key is a comment)."""
+
+    number: int | None = None
+    title: str = ""
+
+
+@functools.cache
+def preset_type() -> type[msgspec.Struct]:
+    """A preset, typed: a Struct per section, a field per setting, each with its range (built from FIELDS)."""
+    sections: dict[str, list[Field]] = {}
+    for f in FIELDS:
+        sections.setdefault(f.section, []).append(f)
+    parts = []
+    for section, fields in sections.items():
+        struct = msgspec.defstruct(f"Section_{_attr(section)}", [(_attr(f.name), f.type) for f in fields],
+                                   rename={_attr(f.name): f.name for f in fields}, forbid_unknown_fields=True,
+                                   kw_only=True)
+        parts.append((_attr(section), struct))
+    return msgspec.defstruct("Preset", [("figure", Figure, msgspec.field(default_factory=Figure)), *parts],
+                             rename={_attr(s): s for s in sections}, forbid_unknown_fields=True, kw_only=True)
+
+
+def _checked_entries(table: dict, where: str) -> dict:
+    """A preset's tables with every setting checked (``check``: typed, units read, in range); the rest (unknown
+    names, missing ones, a section that is no table) is for the preset's type to refuse."""
+    out = {}
+    for section, fields in table.items():
+        if section == "figure" or not isinstance(fields, dict):
+            out[section] = fields
+            continue
+        out[section] = {name: value if (f := BY_KEY.get(f"{section}.{name}")) is None
+                        else check(f, value, f"{where}{f.key}") for name, value in fields.items()}
+    return out
 
 
 def check_settings(s: dict[str, Any]) -> None:
@@ -265,21 +301,9 @@ def load_settings(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"preset {str(path)!r} does not exist")
-    table = read_toml(path)
-    out: dict[str, Any] = {}
-    for section, fields in table.items():
-        if section == "figure":
-            out["figure.number"] = fields.get("number")
-            out["figure.title"] = fields.get("title", "")
-            continue
-        if not isinstance(fields, dict):
-            raise ValueError(f"{path}: {section} must be a table")
-        for name, value in fields.items():
-            f = BY_KEY.get(f"{section}.{name}")
-            if f is None:
-                raise ValueError(f"{path}: {section}.{name} is not a setting; settings: {', '.join(BY_KEY)}")
-            out[f.key] = check(f, value, f"{path.name}: {f.key}")
-    missing = [k for k in BY_KEY if k not in out]
-    if missing:
-        raise ValueError(f"{path}: missing {', '.join(missing)}")
+    where = f"{path.name}: "
+    preset = CHECK.convert(_checked_entries(read_toml(path), where), preset_type(), where)
+    out: dict[str, Any] = {"figure.number": preset.figure.number, "figure.title": preset.figure.title}
+    for f in FIELDS:
+        out[f.key] = getattr(getattr(preset, _attr(f.section)), _attr(f.name))
     return out

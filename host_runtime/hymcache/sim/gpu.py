@@ -25,7 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
+from msgspec import Meta
+
+from common.checks import Checks, outside
 from host_runtime.replay.models import KvModel
 from host_runtime.replay.prefill import PrefillModel, load_gpu, read_toml
 
@@ -62,24 +67,26 @@ class ServingGpu:
         return self.peak_flops * self.mfu
 
 
+class GpuFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``gpus/NAME.toml``, typed: what serving needs beyond the replayer's FLOPs profile, with its ranges."""
+
+    flops_profile: str = ""  # the replayer's profile (host_runtime/replay/gpus/NAME.toml): peak FLOP/s and MFU
+    hbm_bytes: Annotated[int, Meta(gt=0, le=1 << 50)]
+    hbm_bandwidth_gbps: Annotated[float, Meta(gt=0, le=1e6)]
+    mbu: Annotated[float, Meta(gt=0, le=1)]
+    pcie_gbps: Annotated[float, Meta(gt=0, le=1e4)]
+    pcie_latency_ns: Annotated[float, Meta(gt=-1e-9, le=1e9)]
+
+
 def load_serving_gpu(name: str) -> ServingGpu:
     path = GPU_DIR / f"{name}.toml"
     if not path.is_file():
-        raise ValueError(f"gpu.profile = {name!r} is not one of {', '.join(gpu_names())}")
-    table = read_toml(path)
-
-    def num(key, lo, hi):
-        v = table.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v <= hi):
-            raise ValueError(f"{path}: {key} = {v!r} must be a number in ({lo:g}, {hi:g}]")
-        return v
-
-    flops = load_gpu(str(table.get("flops_profile", "")))
-    return ServingGpu(name=flops.name, peak_flops=flops.peak_flops, mfu=flops.mfu,
-                      hbm_bytes=int(num("hbm_bytes", 0, 1 << 50)),
-                      hbm_bandwidth_gbps=float(num("hbm_bandwidth_gbps", 0, 1e6)),
-                      mbu=float(num("mbu", 0, 1)), pcie_gbps=float(num("pcie_gbps", 0, 1e4)),
-                      pcie_latency_ns=float(num("pcie_latency_ns", -1e-9, 1e9)), source=str(path))
+        raise ValueError(outside("gpu.profile", name, f"one of {', '.join(gpu_names())}"))
+    spec = Checks(ValueError).convert(read_toml(path), GpuFile, f"{path}: ")
+    flops = load_gpu(spec.flops_profile)
+    return ServingGpu(name=flops.name, peak_flops=flops.peak_flops, mfu=flops.mfu, hbm_bytes=spec.hbm_bytes,
+                      hbm_bandwidth_gbps=spec.hbm_bandwidth_gbps, mbu=spec.mbu, pcie_gbps=spec.pcie_gbps,
+                      pcie_latency_ns=spec.pcie_latency_ns, source=str(path))
 
 
 class StepModel:

@@ -27,6 +27,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from common.checks import outside
 from host_runtime.replay.sweep import (add_dask_args, cluster_text, fmt_value, format_columns, grid, point_label,
                                       run_tasks, split_axis, write_sweep)
 
@@ -85,8 +86,7 @@ def parse_axes(items: list[str]) -> dict[str, list]:
             if target == "figure":
                 known = _figures()
                 if text not in known:
-                    raise UsageError(f"{where} = {text!r} is outside the allowed range: one of {', '.join(known)} "
-                                     f"(the presets)")
+                    raise UsageError(outside(where, text, f"one of {', '.join(known)} (the presets)"))
                 value: Any = text
             else:
                 try:

@@ -248,13 +248,13 @@ def test_cli_errors_name_the_flag_the_value_and_the_range(tmp_path):
     r = subprocess.run([str(CHM), "hymcache", "simulate", "--conversations", "0"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2
-    assert r.stderr.splitlines()[-1] == ("chm hymcache simulate: error: --conversations = 0 is outside the allowed "
+    assert r.stderr.splitlines()[-1] == ("chm hymcache simulate: error: --conversations 0 is outside the allowed "
                                          "range: an integer in [1, 1000000]")
     bad = tmp_path / "bad.toml"
     bad.write_text(preset_path(13).read_text().replace("concurrency = 32", "concurrency = -1"))
     r = subprocess.run([str(CHM), "hymcache", "simulate", "--preset", str(bad)], capture_output=True, text=True,
                        timeout=60)
-    assert r.returncode == 1 and "bad.toml: workload.concurrency = -1 is outside the allowed range" in r.stderr
+    assert r.returncode == 1 and "bad.toml: workload.concurrency -1 is outside the allowed range" in r.stderr
 
 
 def test_cli_runs_a_small_preset_with_json_and_plot(tmp_path):

@@ -72,11 +72,11 @@ def test_a_bad_trace_line_is_an_error_naming_it(tmp_path, capsys, line, problem)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dram", "1e400"], "--dram = '1e400' is outside the allowed range: a byte count in [1MiB, 64TiB]"),
-    (["--staging", "1e400GiB"], "--staging = '1e400GiB' is outside the allowed range: a byte count in [1MiB, 64TiB]"),
-    (["--staging-sweep", "1GiB,1e400"], "--staging-sweep = '1GiB,1e400' is outside the allowed range"),
-    (["--time-scale", "1e308"], "--time-scale = 1e+308 is outside the allowed range: a number in [1e-09, 1e+09]"),
-    (["--window-s", "nan"], "--window-s = nan is outside the allowed range: a number in [1e-06, 1e+09]"),
+    (["--dram", "1e400"], "--dram '1e400' is outside the allowed range: a byte count in [1MiB, 64TiB]"),
+    (["--staging", "1e400GiB"], "--staging '1e400GiB' is outside the allowed range: a byte count in [1MiB, 64TiB]"),
+    (["--staging-sweep", "1GiB,1e400"], "--staging-sweep '1GiB,1e400' is outside the allowed range"),
+    (["--time-scale", "1e308"], "--time-scale 1e+308 is outside the allowed range: a number in [1e-09, 1e+09]"),
+    (["--window-s", "nan"], "--window-s nan is outside the allowed range: a number in [1e-06, 1e+09]"),
 ])
 def test_flags_out_of_range_are_usage_errors(capsys, argv, message):
     assert chm_main(["hymcache", "simulate", "--tiers", "recompute", "--no-progress", *argv]) == 2
@@ -102,3 +102,35 @@ def test_hash_ids_are_bounded_so_every_block_key_fits_64_bits(tmp_path, capsys):
     assert chm_main(["hymcache", "simulate", "--workload", "mooncake", "--trace", path, "--tiers", "hymcache",
                      "--no-progress"]) == 1
     assert "must be a list of integers in [0, 2^62): element 0 is 4611686018427387904" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("[model]", "[model]\nsize = 3"), "p.toml: model.size is not a known field; known: name, tokens_per_block"),
+    (("turns = 10", ""), "p.toml: workload.turns is missing (an integer in [1, 1000])"),
+    (("[report]", "[extra]\nx = 1\n[report]"), "p.toml: extra is not a known field; known: figure, topology,"),
+    (('dram = "64GiB"', "dram = 5"), "p.toml: tiers.dram 5 is outside the allowed range: a byte count in [1MiB, 64TiB]"),
+    (('run = ["recompute"', 'run = ["recompute", "recompute"'),
+     "p.toml: tiers.run ['recompute', 'recompute', 'gpu-prefix', 'lmcache-local', 'hymcache'] is outside the allowed "
+     "range: a non-empty list of distinct tiers"),
+    (("number = 13", 'number = "13"'), "p.toml: figure.number '13' is outside the allowed range: an integer or none"),
+])
+def test_a_preset_is_checked_against_the_declared_settings(tmp_path, edit, message):
+    """A preset converts into the typed settings (config.preset_type): unknown and missing names, and values out of
+    range, are errors naming the setting, the value and the range."""
+    path = tmp_path / "p.toml"
+    path.write_text(preset_path(13).read_text().replace(*edit, 1))
+    with pytest.raises(ValueError) as exc:
+        load_settings(path)
+    assert str(exc.value).startswith(message)
+
+
+def test_a_gpu_file_is_checked_against_its_declared_fields(tmp_path, monkeypatch):
+    from host_runtime.hymcache.sim import gpu
+
+    real = (gpu.GPU_DIR / "a100-80gb.toml").read_text()
+    monkeypatch.setattr(gpu, "GPU_DIR", tmp_path)
+    (tmp_path / "a100-80gb.toml").write_text(real.replace("mbu = 0.6", "mbu = 1.5"))
+    with pytest.raises(ValueError, match=r"a100-80gb.toml: mbu 1.5 is outside the allowed range: a number in \(0, 1\]"):
+        gpu.load_serving_gpu("a100-80gb")
+    with pytest.raises(ValueError, match=r"gpu.profile 'h100' is outside the allowed range: one of a100-80gb"):
+        gpu.load_serving_gpu("h100")

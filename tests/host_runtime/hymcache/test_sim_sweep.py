@@ -81,16 +81,16 @@ def test_the_points_are_the_grid_times_each_points_tiers():
     (["--sweep", "nosuch=1"], "--sweep nosuch: unknown field; allowed: tier, dram, staging, workload, conversations, "
                               "figure, or a setting: topology.kind"),
     (["--sweep", "tiers.run=hymcache"], "--sweep tiers.run: unknown field"),
-    (["--sweep", "tier=hymcache,fifo"], "--sweep tier = 'fifo' is outside the allowed range: one of recompute, "
+    (["--sweep", "tier=hymcache,fifo"], "--sweep tier 'fifo' is outside the allowed range: one of recompute, "
                                         "gpu-prefix"),
-    (["--sweep", "dram=12MB"], "--sweep dram = '12MB' is outside the allowed range: a byte count in [1MiB, 64TiB]"),
-    (["--sweep", "dram=0GiB"], "--sweep dram = '0GiB' is outside the allowed range"),
-    (["--sweep", "conversations=8,0"], "--sweep conversations = 0 is outside the allowed range: an integer in "
+    (["--sweep", "dram=12MB"], "--sweep dram '12MB' is outside the allowed range: a byte count in [1MiB, 64TiB]"),
+    (["--sweep", "dram=0GiB"], "--sweep dram '0GiB' is outside the allowed range"),
+    (["--sweep", "conversations=8,0"], "--sweep conversations 0 is outside the allowed range: an integer in "
                                        "[1, 1000000]"),
-    (["--sweep", "workload=lmsys,sharegpt"], "--sweep workload = 'sharegpt' is outside the allowed range: one of "
+    (["--sweep", "workload=lmsys,sharegpt"], "--sweep workload 'sharegpt' is outside the allowed range: one of "
                                              "lmsys, aiperf, mooncake"),
-    (["--sweep", "figure=13,99"], "--sweep figure = '99' is outside the allowed range: one of 10, 11, 12, 13, 14, 15"),
-    (["--sweep", "workload.concurrency=-4"], "--sweep workload.concurrency = -4 is outside the allowed range"),
+    (["--sweep", "figure=13,99"], "--sweep figure '99' is outside the allowed range: one of 10, 11, 12, 13, 14, 15"),
+    (["--sweep", "workload.concurrency=-4"], "--sweep workload.concurrency -4 is outside the allowed range"),
     (["--sweep", "dram=1GiB,1GiB"], "--sweep dram: '1GiB' is given twice"),
     (["--sweep", "dram=1GiB", "--sweep", "tiers.dram=2GiB"], "--sweep tiers.dram is given twice (or as both its "
                                                               "shorthand and tiers.dram)"),
