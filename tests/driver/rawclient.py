@@ -3,16 +3,34 @@ into its submission ring, which is what the validation tests need."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
 import os
+import platform
 import select
 import socket
 import time
 from pathlib import Path
 
 from driver.wire import ffi, lib, node_path, socket_path
+
+_libc = ctypes.CDLL(None, use_errno=True)
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}[platform.machine()]
+FUTEX_WAIT = 0  # not _PRIVATE: the word is in memory shared with the device (chm_sync.h waits the same way)
+LIVENESS_SLICE_S = 0.02  # a futex wait ends this often to look whether the device closed the connection
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(word, expected: int, timeout_s: float) -> None:
+    """Sleep while the u32 ``word`` (a cffi pointer into shared memory) holds ``expected``, at most ``timeout_s``."""
+    ts = _Timespec(int(timeout_s), int(timeout_s % 1 * 1e9))
+    _libc.syscall(SYS_FUTEX, ctypes.c_void_p(int(ffi.cast("uintptr_t", word))), FUTEX_WAIT,
+                  ctypes.c_uint32(expected), ctypes.byref(ts), None, 0)
 
 
 class RawClient:
@@ -78,8 +96,17 @@ class RawClient:
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"{len(out)} of {n} completions")
             else:
-                time.sleep(0.0005)
+                self.wait_completion(min(LIVENESS_SLICE_S, max(0.0, deadline - time.monotonic())))
         return out
+
+    def wait_completion(self, timeout_s: float) -> None:
+        """Sleep until the device posts a completion past this client's head, at most ``timeout_s``: as libchm
+        does, announce the sleep (cq.waiting, which makes the device futex-wake cq.tail) and wait on cq.tail."""
+        head = self.head & 0xFFFFFFFF
+        self.hdr.cq.waiting = 1
+        if self.hdr.cq.tail == head:  # looked at again once the device can see the flag
+            futex_wait(ffi.addressof(self.hdr.cq, "tail"), head, timeout_s)
+        self.hdr.cq.waiting = 0
 
     def detached(self) -> bool:
         """Has the device closed this client's connection (its detach, as libchm's server_gone sees it)?"""
@@ -106,3 +133,56 @@ class RawClient:
         del self._base
         self.sock.close()
         os.close(self.evfd)
+
+
+def device_barrier(node: str, timeout: float = 30.0) -> None:
+    """One round trip through the device's control path: an attach it refuses (bad magic), answered and closed.
+
+    Whatever was ready on the device's sockets before it (connections closed, requests sent) has been handled
+    when it returns: poll() hands the device every ready descriptor at once, and it reads this connection's
+    request a poll after the one that accepted it."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(str(socket_path(Path(node_path(node)))))
+        s.sendall(bytes(ffi.sizeof("struct chm_attach_req")))  # magic 0: refused (EPROTO) once it is read
+        while s.recv(4096):  # the answer, then the device's close
+            pass
+    except ConnectionResetError:  # closed with the answer unread: handled all the same
+        pass
+    finally:
+        s.close()
+
+
+def wait_for(cond, what: str, node: str, timeout: float = 30.0, extra=None) -> None:
+    """Until ``cond()``, which the device makes true: looked at again after each device_barrier."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what + (f": {extra()}" if extra else "")
+        device_barrier(node)
+
+
+def device_asleep(node: str) -> bool:
+    """Is the device asleep in poll(): its server_sleeping flag up and its serving thread blocked?"""
+    size = ffi.sizeof("struct chm_node")
+    fd = os.open(node_path(node), os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+            n = ffi.cast("struct chm_node *", ffi.from_buffer(bytes(m)))
+            sleeping, pid = n.server_sleeping, n.server_pid
+    finally:
+        os.close(fd)
+    if not sleeping:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
+def wait_device_asleep(node: str, timeout: float = 30.0) -> None:
+    """Until the device has gone to sleep in poll() (nothing signals that: the flag is looked at again, the CPU
+    yielded in between for the device to get there)."""
+    deadline = time.monotonic() + timeout
+    while not device_asleep(node):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the device on {node} did not go to sleep in {timeout} s")
+        os.sched_yield()

@@ -10,13 +10,13 @@ import os
 import random
 import resource
 import socket
-import time
 
 import pytest
 
 import libchm
 from driver.wire import ffi, lib, read_node
 from emulator.errors import ChmError
+from tests.driver.rawclient import wait_for
 from tests.emulator.serve.serving import Server
 
 REQ = ffi.sizeof("struct chm_attach_req")
@@ -104,17 +104,10 @@ def fd_links(pid: int) -> list[str]:
     return sorted(out)
 
 
-def wait_for(cond, what: str, timeout: float = 30.0, extra=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what + (f": {extra()}" if extra else "")
-        time.sleep(0.005)
-
-
 def settled(srv: Server) -> None:
     """Wait until the device has reclaimed every client and connection (its fds back to what it had idle)."""
-    wait_for(lambda: read_node(srv.node)["clients"] == 0, "attached clients reclaimed")
-    wait_for(lambda: open_fds(srv.proc.pid) == srv.base_fds, "the device's fds back to where they were",
+    wait_for(lambda: read_node(srv.node)["clients"] == 0, "attached clients reclaimed", srv.node)
+    wait_for(lambda: open_fds(srv.proc.pid) == srv.base_fds, "the device's fds back to where they were", srv.node,
              extra=lambda: fd_links(srv.proc.pid))
 
 
@@ -207,14 +200,14 @@ def test_fds_sent_to_the_device_are_not_kept(served):
         # Its connection, its queue pair mapping and its doorbell, not the 64 fds it sent (a connection of an
         # earlier test still in the listen backlog may come and go meanwhile).
         wait_for(lambda: open_fds(served.proc.pid) <= served.base_fds + 3, "only the client's three fds",
-                 extra=lambda: fd_links(served.proc.pid))
+                 served.node, extra=lambda: fd_links(served.proc.pid))
         conn.close()  # EOF comes after the bytes (and their fds): once it is reclaimed, they were read
-        wait_for(lambda: read_node(served.node)["clients"] == 0, "the client reclaimed")
+        wait_for(lambda: read_node(served.node)["clients"] == 0, "the client reclaimed", served.node)
         resp, fds, conn = exchange(served, b"\0" * 3, fds=sent)  # with a short request
         assert resp == b""
         conn.close()
         wait_for(lambda: open_fds(served.proc.pid) == served.base_fds, "the device's fds back to where they were",
-             extra=lambda: fd_links(served.proc.pid))
+                 served.node, extra=lambda: fd_links(served.proc.pid))
     finally:
         for fd in sent:
             os.close(fd)
@@ -286,7 +279,7 @@ def test_attaches_beyond_the_fd_limit_are_refused_with_emfile(tmp_path):
         assert read_node(srv.node)["clients"] == len(attached)
         for dev in attached:
             dev.close()
-        wait_for(lambda: read_node(srv.node)["clients"] == 0, "attached clients reclaimed")
+        wait_for(lambda: read_node(srv.node)["clients"] == 0, "attached clients reclaimed", srv.node)
         good_client_works(srv)
         rc, _, err = srv.stop()
     assert rc == 0, err

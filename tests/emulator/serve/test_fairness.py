@@ -10,7 +10,7 @@ import pytest
 from driver.wire import lib
 from emulator.config import load_profile
 from emulator.controller import Controller
-from tests.driver.rawclient import RawClient
+from tests.driver.rawclient import RawClient, device_barrier, wait_device_asleep
 from tests.emulator.serve.serving import Server
 
 MiB = 1 << 20
@@ -59,7 +59,7 @@ def race(server, big_commands: list[dict], big_staging: int) -> tuple[list, tupl
     so the completions' modelled clocks give the order the device served them in."""
     big = RawClient(server.node, entries=64, staging=big_staging)
     victim = RawClient(server.node)
-    time.sleep(0.2)  # the device has gone to sleep in poll()
+    wait_device_asleep(server.node)
     submit_all(big, big_commands, ring=False)
     submit_all(victim, [dict(user_data=99, opcode=lib.CHM_OP_READ, addr=0, len=4096, buf_offset=0)], ring=False)
     os.eventfd_write(big.evfd, 1)
@@ -135,6 +135,7 @@ def test_a_large_read_in_pieces_has_the_modelled_time_of_one_call(server, tmp_pa
 
 
 # ---- a prefetch wait waits for the media without holding up the device --------------------------------------------
+# (Their wall-clock bounds, a slow disk's delay seen and answers well within it, are bench_fairness.py's checks.)
 
 SLOW_DISK_S = 1.0  # every media read completes this long after it is submitted (test-only fault)
 
@@ -146,15 +147,13 @@ def slow_disk(tmp_path):
         yield srv
 
 
-def _parked_waits(client, deadline_s: float) -> int:
-    """The device's count of parked waits once it is not 0, or 0 at the deadline; every stats call is answered at
-    once, so a device that waits for the media in the waiter's turn never says 1."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        n = client.stats_json().get("parked_waits", 0)
+def _parked_waits(client, waiter) -> int:
+    """The device's count of parked waits once it is not 0, or 0 once ``waiter``'s wait is answered: a device
+    that waits for the media in the waiter's turn answers no stats call meanwhile, so it never says 1."""
+    while waiter.hdr.cq.tail == waiter.head & 0xFFFFFFFF:
+        n = client.stats_json().get("parked_waits", 0)  # each call waits for its completion
         if n:
             return n
-        time.sleep(0.01)
     return 0
 
 
@@ -170,18 +169,16 @@ def test_a_prefetch_wait_does_not_hold_up_other_clients(slow_disk):
     submit_all(waiter, [dict(user_data=1, opcode=lib.CHM_OP_PREFETCH, addr=0, len=MiB)])
     ((_, handle),) = waiter.reap(1)
     assert handle > 0
-    t0 = time.monotonic()
     submit_all(waiter, [dict(user_data=2, opcode=lib.CHM_OP_WAIT, handle=handle, timeout_ns=-1),
                         dict(user_data=3, opcode=lib.CHM_OP_NOP)])  # behind the wait: runs after it
-    time.sleep(0.1)  # the device has taken the wait
+    assert _parked_waits(other, waiter) == 1  # the device has taken the wait
     at = MiB // 2  # past what a stats answer overwrites
     submit_all(other, [dict(user_data=2, opcode=lib.CHM_OP_READ, addr=64 * MiB, len=page, buf_offset=at)])
-    assert other.reap(1, timeout=SLOW_DISK_S / 2) == [(2, page)]  # a DRAM hit, answered while the wait waits
+    assert other.reap(1) == [(2, page)]  # a DRAM hit, answered while the wait waits
     assert waiter.hdr.cq.tail == waiter.head & 0xFFFFFFFF, "the wait was answered before the other client's read"
     assert bytes(other.staging[at:at + page]) == pattern
     assert other.stats_json()["parked_waits"] == 1
     assert waiter.reap(2, timeout=30) == [(2, 0), (3, 0)]  # the wait once the reads landed, then what followed it
-    assert time.monotonic() - t0 >= SLOW_DISK_S * 0.9  # the slow disk did hold the staging back
     assert other.stats_json()["parked_waits"] == 0
     waiter.close()
     other.close()
@@ -192,11 +189,9 @@ def test_a_client_gone_while_its_wait_is_parked_leaves_the_device_serving(slow_d
     submit_all(waiter, [dict(user_data=1, opcode=lib.CHM_OP_PREFETCH, addr=0, len=MiB)])
     ((_, handle),) = waiter.reap(1)
     submit_all(waiter, [dict(user_data=2, opcode=lib.CHM_OP_WAIT, handle=handle, timeout_ns=-1)])
-    assert _parked_waits(other, SLOW_DISK_S / 2) == 1
+    assert _parked_waits(other, waiter) == 1
     waiter.close()  # gone with its wait parked: its handle is released, the wait forgotten
-    deadline = time.monotonic() + 30
-    while other.stats_json()["clients"] > 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    device_barrier(slow_disk.node)  # the device has seen the close
     stats = other.stats_json()
     assert stats["clients"] == 1 and stats["parked_waits"] == 0 and stats["prefetch"]["handles_held"] == 0
     submit_all(other, [dict(user_data=1, opcode=lib.CHM_OP_READ, addr=2 * MiB, len=4096, buf_offset=0)])
@@ -212,20 +207,18 @@ def test_a_look_at_a_prefetch_answers_at_once(slow_disk):
     c = RawClient(slow_disk.node, staging=MiB)
     submit_all(c, [dict(user_data=1, opcode=lib.CHM_OP_PREFETCH, addr=0, len=MiB)])
     ((_, handle),) = c.reap(1)
-    t0 = time.monotonic()
     submit_all(c, [dict(user_data=2, opcode=lib.CHM_OP_WAIT, flags=lib.CHM_WAIT_LOOK, handle=handle, timeout_ns=-1),
                    dict(user_data=3, opcode=lib.CHM_OP_WAIT, flags=2, handle=handle, timeout_ns=-1)])
-    assert c.reap(2, timeout=SLOW_DISK_S / 2) == [(2, -errno.EAGAIN), (3, -errno.EINVAL)]
-    assert time.monotonic() - t0 < SLOW_DISK_S / 2
+    assert c.reap(2) == [(2, -errno.EAGAIN), (3, -errno.EINVAL)]
     deadline = time.monotonic() + 30
-    while True:
+    while True:  # each look waits for its answer; the reads land meanwhile
         submit_all(c, [dict(user_data=4, opcode=lib.CHM_OP_WAIT, flags=lib.CHM_WAIT_LOOK, handle=handle,
                             timeout_ns=-1)])
         ((_, res),) = c.reap(1)
         if res != -errno.EAGAIN or time.monotonic() > deadline:
             break
-        time.sleep(0.02)
-    assert res == 0 and time.monotonic() - t0 >= SLOW_DISK_S * 0.9
+        os.sched_yield()
+    assert res == 0
     c.close()
     with Device(slow_disk.node) as dev:  # the same through libchm
         h = dev.prefetch(4 * MiB, MiB)

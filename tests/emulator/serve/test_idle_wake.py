@@ -1,20 +1,21 @@
 """chm serve sleeps while idle until the controller's next background event, not on a fixed tick.
 
-The server runs in this process (no client attaches), so each sleep is one ``poll`` that only its
-timeout ends: the test sees the timeout it chose and the virtual time the flush started at.
+The server runs in this process (no client attaches) on a ManualClock, so each sleep is one ``poll`` that
+only its timeout ends, at once, the clock moved on by it: the test sees the timeout it chose and the
+virtual time the flush started at.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from emulator.serve.server import DeviceServer, idle_wall_wait_ns
+from emulator.serve.server import DeviceServer, ManualClock, idle_wall_wait_ns
 from emulator import load_profile
 
 from .serving import unique_node
 
 KiB = 1 << 10
-DEADLINE_NS = 40e6  # the flush deadline under test: 40 ms, long against scheduling noise, short to wait
+DEADLINE_NS = 40e6  # the flush deadline under test: 40 ms
 
 
 def test_idle_wall_wait_converts_virtual_time_as_the_idle_clock_advances():
@@ -34,7 +35,8 @@ def serve(media_dir):
 
     def make(policy: str, overrides: dict) -> DeviceServer:
         cfg = load_profile("small").with_overrides({"policy.name": policy, **overrides})
-        srv = DeviceServer(cfg, media_dir, node=unique_node("idle"), log=lambda _: None, format_media=True)
+        srv = DeviceServer(cfg, media_dir, node=unique_node("idle"), log=lambda _: None, format_media=True,
+                           clock=ManualClock())
         servers.append(srv)
         return srv
 
@@ -64,6 +66,6 @@ def test_idle_server_with_dirty_pages_wakes_at_the_flush_deadline(serve, policy,
     deadline = srv.ctl.next_event_ns(srv.floor)
     assert deadline == pytest.approx(written + DEADLINE_NS, abs=1e-3)
     assert srv._idle_timeout_ms() == pytest.approx((deadline - srv.floor) / 1e6)  # not a 5 ms tick
-    srv._sleep()  # one poll: nothing arrives, so it returns at its timeout
+    srv._sleep()  # one poll: nothing arrives, so it returns at its timeout (the clock moved on by it)
     assert srv.floor >= deadline  # the idle wall time passed on the device clock
     assert started == [deadline]  # the flush ran at its own virtual time, not at the wake-up's

@@ -7,10 +7,11 @@ import os
 import resource
 import shutil
 import signal
+import select
 import socket
+import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,21 +25,47 @@ MAX_PENDING_ATTACHES = 64  # emulator/serve/server.py; restated here as the numb
 
 
 def flood(sock_path: str, n: int) -> list[socket.socket]:
-    """Open n connections that never send anything (those the backlog refuses are dropped)."""
+    """Open n connections that never send anything, and return once the device has taken every one (those it
+    refuses are dropped). A connect blocks while the listen backlog is full: until the device takes some."""
     conns = []
     for _ in range(n):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 30, 0))  # a stuck device fails
         try:
             s.connect(sock_path)
-        except (BlockingIOError, ConnectionRefusedError):
+        except ConnectionRefusedError:
             s.close()
-            time.sleep(0.002)  # the listen backlog is full: let the device take some
             continue
         except FileNotFoundError:  # the socket is gone: the device died
             s.close()
             break
+        s.setblocking(False)
         conns.append(s)
+    if conns:  # accepted in order: once the device has closed the last (refused, or dropped as stalled), it has
+        # taken them all. POLLRDHUP: the close itself, not the answer it may send first.
+        last = select.poll()
+        last.register(conns[-1], select.POLLRDHUP)
+        assert last.poll(30_000), "the device never took the last connection"
     return conns
+
+
+def closed_by_device(conns: list[socket.socket]) -> None:
+    """Close ``conns`` and return once the device has closed its ends: each is half-closed, so the device
+    reads EOF and closes, and this side then reads EOF too."""
+    for s in conns:
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError:  # the device closed it already
+            pass
+    for s in conns:
+        s.setblocking(True)
+        s.settimeout(30)
+        try:
+            while s.recv(4096):  # an answer still unread, then the device's close
+                pass
+        except ConnectionResetError:
+            pass
+        s.close()
 
 
 def open_fds(pid: int) -> int:
@@ -60,7 +87,6 @@ def test_running_out_of_fds_does_not_kill_the_device(tmp_path):
         spare = 6  # enough for one attach (its connection and queue pair memfd), far fewer than the flood
         resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (base + spare, base + spare))  # prlimit --nofile
         conns = flood(f"{srv.path}.sock", FLOOD)
-        time.sleep(0.5)
         assert srv.proc.poll() is None, srv.proc.stderr.read()
         # Connections shed for want of an fd were told why before being closed.
         shed = 0
@@ -73,11 +99,7 @@ def test_running_out_of_fds_does_not_kill_the_device(tmp_path):
                 assert ffi.cast("struct chm_attach_resp *", ffi.from_buffer(msg)).status == -errno.EMFILE
                 shed += 1
         assert shed > 0
-        for s in conns:
-            s.close()
-        deadline = time.monotonic() + 10
-        while open_fds(srv.proc.pid) > base and time.monotonic() < deadline:  # the device notices the closes
-            time.sleep(0.05)
+        closed_by_device(conns)  # the fds they held are free again
         attaches(srv.node)
         rc, _, err = srv.stop()
     assert rc == 0, err
@@ -89,13 +111,10 @@ def test_half_open_attaches_are_capped(tmp_path):
     with Server(tmp_path / "media") as srv:
         before = open_fds(srv.proc.pid)
         conns = flood(f"{srv.path}.sock", FLOOD)
-        time.sleep(0.5)
         assert srv.proc.poll() is None
         held = open_fds(srv.proc.pid) - before
         assert held <= MAX_PENDING_ATTACHES, f"{held} connections held open for {len(conns)} silent ones"
-        for s in conns:
-            s.close()
-        time.sleep(0.2)
+        closed_by_device(conns)  # no attach is pending any more
         attaches(srv.node)
         rc, _, err = srv.stop()
     assert rc == 0, err

@@ -19,7 +19,7 @@ import pytest
 import libchm
 from emulator.cli import main as chm_main
 from driver.wire import ffi, lib, read_node
-from tests.driver.rawclient import RawClient
+from tests.driver.rawclient import LIVENESS_SLICE_S, RawClient
 from tests.emulator.serve.serving import Server
 from tests.emulator.serve.test_ring_fields import (GOOD_ADDR, MiB, OPCODES, STAGING, WIDTHS, base_entry, submit,
                                                    wire_refusal)
@@ -159,7 +159,7 @@ class Fuzzer:
             while bad.hdr.cq.tail != bad.head & 0xFFFFFFFF:
                 bad.reap(1)
             assert time.monotonic() < deadline, "the device never took the ring's entries"
-            time.sleep(0.0005)
+            bad.wait_completion(LIVENESS_SLICE_S)  # what it takes, it answers (the sq head moves first)
         self.markers += 1
         marker = MARKER + self.markers
         bad.push(user_data=marker, opcode=lib.CHM_OP_NOP)
