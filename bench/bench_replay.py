@@ -40,7 +40,7 @@ Two in-process sections follow, neither of them what users run:
   (virtual time jumps from event to event; goal: a ratio of at most ``SPAN_COST_GOAL``).
 
 Results: a table on stdout, each command beside its figure, and ``--out`` (``bench/results/replay``)
-``bench_replay.json``. The traces live in a temporary directory (``--workdir`` to keep them), never in
+``bench_replay.json`` with its table, ``bench_replay.md``. The traces live in a temporary directory (``--workdir`` to keep them), never in
 the repository.
 """
 
@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from bench import result_files
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "replay"
@@ -456,8 +458,40 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_replay.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    path.with_suffix(".md").write_text(markdown(result, argv))
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} and its .md")
     return 0 if ok else 1
+
+
+def markdown(result: dict, argv: list[str] | None = None) -> str:
+    """``bench_replay.md``: the table of a run's ``bench_replay.json`` (``result``), which the docs link."""
+    host = result["host"]
+    meta = {"bench": "bench_replay", "command": ".venv/bin/python -m bench.bench_replay", "arguments": list(argv or ()),
+            "utc": result["date"], "commit": (host["commit"] or "")[:7] or None, "cpus": host["cpus"],
+            "load_average": [round(x, 2) for x in host["loadavg_at_start"]]}
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    rows = []
+    for s in result.get("end_to_end", {}).get("cases", []):
+        m, misses = s["median"], s["misses"]
+        rows.append((f"`{s['case']}`: {'--sequential' if s['sequential'] else 'virtual time'}, {s['device_policy']}",
+                     f"{s['accesses']:,}", f"{m['chm']['wall_s']:.2f} s", f"{m['peer']['wall_s']:.2f} s",
+                     f"{s['speed_ratio']:.2f}x (goal >= {s['speed_goal']:g}x: {_verdict(s['speed_goal_met'])})",
+                     f"{mib(m['chm']['rss_bytes'])} / {mib(m['peer']['rss_bytes'])} MiB",
+                     f"{misses['chm']:,} / {misses['peer']:,}"))
+    if "device_only" in result:
+        d = result["device_only"]
+        rows.append((f"{d['label']}: Controller.run_sequential", f"{d['accesses']:,}",
+                     f"{d['median_wall_s']['device']:.3f} s", f"{d['median_wall_s']['libcachesim']:.3f} s",
+                     f"{d['ratio']:.2f}x", "", f"{d['misses']:,}"))
+    for variant, span in result.get("span_cost", {}).items():
+        walls = " / ".join(f"{float(scale):g}: {s:.3f} s" for scale, s in span["median_wall_s"].items())
+        rows.append((f"span cost, {variant}: the same requests at each --time-scale", "", walls, "",
+                     f"{span['ratio']:.2f}x (goal <= {span['goal']:g}x: {_verdict(span['goal_met'])})", "", ""))
+    columns = ("case", "page accesses", "chm replay", "libcachesim", "speed", "peak RSS, chm / peer",
+               "misses, chm / peer")
+    commands = [f"* `{s['case']}`: `{s['chm_command']}`; peer: `{s['peer_command']}`"
+                for s in result.get("end_to_end", {}).get("cases", [])]
+    return result_files.markdown(meta, "bench_replay.json", columns, rows) + "\n" + "\n".join(commands) + "\n"
 
 
 def _git_commit() -> str | None:
