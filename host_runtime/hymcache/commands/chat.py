@@ -1,4 +1,5 @@
-"""``chm hymcache chat``: the SmolLM2 multi-turn demo through the KV connector, on the real vLLM."""
+"""``chm hymcache chat``: the SmolLM2 multi-turn demo through the KV connector, on the real vLLM; and the same
+demo in process on ``engine.PagedEngine`` (``in_process_chat``: no vLLM, what the connector's tests run)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from common.cli import UsageError
@@ -94,3 +96,81 @@ def _chat(args) -> int:
     if not all(r["identical"] is not False for r in rows):
         raise ChmError(errno.EIO, "greedy tokens differ from vLLM without the connector in some turn (see 'identical')")
     return 0
+
+
+# ---- the SmolLM2 multi-turn demo in process, on PagedEngine ---------------------------------
+OPENINGS = ("What is the capital of France?", "Name a fruit that is yellow.", "What colour is the sky on a clear day?",
+            "How many legs does a spider have?")
+FOLLOW_UPS = ("And of Spain?", "Tell me one more.", "Why is that?", "Say it in one word.", "Thanks. Anything else?")
+
+
+def next_turn_prompt(context: list[int], answer: list[int], user_text: str, tokenizer) -> list[int]:
+    """The previous turn's prompt and answer, then the next user message in SmolLM2's chat template."""
+    ended = bool(answer) and answer[-1] == tokenizer.eos_id  # the answer closed its own turn
+    text = ("" if ended else "<|im_end|>") + f"\n<|im_start|>user\n{user_text}<|im_end|>\n<|im_start|>assistant\n"
+    return context + answer + tokenizer.encode(text)
+
+
+def in_process_chat(master=None, turns: int = 4, conversations: int = 3, *, curve_keys: str | None = None,
+                    model=None, tokenizer=None, max_tokens: int = 8, config=None, manager_for_node=None,
+                    num_blocks: int = 256, log=None) -> list[dict]:
+    """Multi-turn SmolLM2 conversations through the connector on ``PagedEngine``; a row per turn.
+
+    ``master``: a running set's Master endpoint (tcp://...), or a Master object (in process, with
+    ``manager_for_node``); ``config``: a HyMCacheConfig or its dict. Each turn runs twice: through the
+    connector, and on the reference engine (connector off, a full recomputation); ``identical`` says the
+    greedy tokens are the same. Rows: conversation, turn (from 1), prefix_tokens (the turn's prompt:
+    everything before its answer), reused_tokens (loaded from the devices), recomputed_tokens (prefilled
+    here), loaded_bytes, skipped_stores, identical, device_ms (modelled device time of the turn's loads and
+    stores) and ttft_ms (wall time to the first token)."""
+    from ..connector import connector_pair
+    from ..connector_common import CHECK, HyMCacheConfig, TurnFigures
+    from ..engine import PagedEngine  # the test fixture engine: only this in-process chat runs it
+
+    for name, value, high in (("turns", turns, 1000), ("conversations", conversations, 1000),
+                              ("max_tokens", max_tokens, 4096)):
+        CHECK.int(name, value, 1, high)
+    if master is None:
+        raise ChmError(errno.EINVAL, "master None: give a running set's Master endpoint or a Master object")
+    if model is None:
+        from host_runtime.hybridgen.model import SmolLM2
+
+        model = SmolLM2.load()
+    if tokenizer is None:
+        from host_runtime.hybridgen.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(model.tokenizer_reader)
+    values = config.as_dict() if isinstance(config, HyMCacheConfig) else dict(config or {})
+    if isinstance(master, str):
+        values.setdefault("master_endpoint", master)
+        values.setdefault("curve_keys", curve_keys)
+        master = None
+    values.setdefault("staging_buffer_size", 0.25)  # the demo's blocks are small: 250 MB of transfer space
+    cfg = HyMCacheConfig.from_dict(values)
+    pair = connector_pair(cfg, master=master, manager_for_node=manager_for_node, log=log)
+    engine = PagedEngine(model, chunk_size=cfg.chunk_size, num_blocks=num_blocks, connector=pair)
+    reference = PagedEngine(model, chunk_size=cfg.chunk_size, num_blocks=num_blocks)
+    run_tag = f"chat-{os.getpid()}-{time.monotonic_ns()}"  # request ids unique across runs against one set
+    rows = []
+    try:
+        for c in range(conversations):
+            prompt = tokenizer.encode(tokenizer.chat_prompt(OPENINGS[c % len(OPENINGS)]))
+            for t in range(1, turns + 1):
+                rid = f"{run_tag}-c{c}-t{t}"
+                got = engine.generate(rid, prompt, max_tokens, tokenizer.eos_id)
+                ref = reference.generate(rid + "-ref", prompt, max_tokens, tokenizer.eos_id)
+                fig = pair[1].figures.pop(rid, TurnFigures())
+                rows.append({"conversation": c + 1, "turn": t, "prefix_tokens": len(prompt),
+                             "reused_tokens": got.reused_tokens, "recomputed_tokens": got.recomputed_tokens,
+                             "loaded_bytes": fig.loaded_bytes, "skipped_stores": fig.skipped_stores,
+                             "identical": got.output_token_ids == ref.output_token_ids,
+                             "device_ms": fig.device_time_ns / 1e6,
+                             "ttft_ms": (got.first_token_time - got.arrival) * 1e3,
+                             "load_errors": fig.load_errors, "stored_blocks": fig.stored_blocks})
+                engine.release(rid)
+                reference.release(rid + "-ref")
+                prompt = next_turn_prompt(prompt, got.output_token_ids, FOLLOW_UPS[(c + t - 1) % len(FOLLOW_UPS)],
+                                          tokenizer)
+    finally:
+        engine.shutdown()
+    return rows

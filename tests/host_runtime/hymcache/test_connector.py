@@ -20,8 +20,8 @@ import torch
 import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import WallClock
-from host_runtime.hymcache.connector import (HyMCacheConfig, HyMCacheConnector, KVConnectorRole, chat,
-                                             connector_pair, next_turn_prompt)
+from host_runtime.hymcache.commands.chat import in_process_chat, next_turn_prompt
+from host_runtime.hymcache.connector import HyMCacheConfig, HyMCacheConnector, KVConnectorRole, connector_pair
 from host_runtime.hymcache.engine import PagedEngine
 from host_runtime.hymcache.keys import block_keys
 from host_runtime.hymcache.manager import KVManager, ManagerClient, serve_manager
@@ -86,7 +86,8 @@ def test_multi_turn_reuse_over_zeromq_is_token_identical(smol, tmp_path):
         manager = None
         try:
             manager = manager_process(master.ready["endpoint"], [d0.node, d1.node])
-            rows = chat(master.ready["endpoint"], turns=3, conversations=2, model=model, tokenizer=tok, max_tokens=4)
+            rows = in_process_chat(master.ready["endpoint"], turns=3, conversations=2, model=model, tokenizer=tok,
+                                   max_tokens=4)
             with MasterClient(master.ready["endpoint"]) as client:
                 devices = client.stats()["devices"]
         finally:
@@ -257,9 +258,9 @@ def test_corrupted_block_is_a_load_error_recomputed_and_stored_again(smol, in_pr
 
 def test_a_block_read_layer_by_layer_is_identical_and_a_bad_last_layer_is_still_caught(smol, in_process_set,
                                                                                       monkeypatch):
-    from host_runtime.hymcache import connector as connector_module
+    from host_runtime.hymcache import connector_worker
 
-    monkeypatch.setattr(connector_module, "READ_PIECE_BYTES", 1)  # one piece per layer: the most commands
+    monkeypatch.setattr(connector_worker, "READ_PIECE_BYTES", 1)  # one piece per layer: the most commands
     model, tok = smol
     master, manager, device = in_process_set()
     prompt = tok.encode(tok.chat_prompt("Name four rivers of Europe and the seas they flow into, with one sentence "
@@ -311,6 +312,7 @@ def test_a_piece_that_fails_ends_the_load_with_no_command_left_in_flight():
     layers = 4  # 1 MiB per layer and block: one layer per piece
     worker.register_kv_caches({f"l{i}": torch.zeros(2, 2, 4, 8, READ_PIECE_BYTES // (2 * 4 * 8 * 4)) for i in range(layers)})
     assert len(worker._pieces) == layers
+    assert not hasattr(worker, "get_num_new_matched_tokens")  # the scheduler side's
     dev = _PiecesDevice(bytearray(worker.block_bytes))
     token = ReadToken("r", b"k" * 16, 0, 0, 0, worker.block_bytes, 0, 1)
     with pytest.raises(ChmError) as exc:
@@ -427,8 +429,7 @@ def test_matched_tokens_are_none_while_the_lookup_is_in_flight_and_zero_is_synch
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
     assert lookup.started == [("q", lookup.started[0][1])] and len(lookup.started[0][1]) == 2  # never the last token
     assert conn.stats()["num_lookup_requests"] == 1 and conn.stats()["num_lookup_tokens"] == 32
-    with pytest.raises(ChmError, match="register_kv_caches is a worker-side method"):
-        conn.register_kv_caches({})
+    assert not hasattr(conn, "register_kv_caches")  # each role's methods exist only on its class
     with pytest.raises(ChmError, match=r"num_computed_tokens 41 is outside the allowed range \[0, 40\]"):
         conn.get_num_new_matched_tokens(req, 41)
 
@@ -438,8 +439,14 @@ def test_matched_tokens_are_none_while_the_lookup_is_in_flight_and_zero_is_synch
     ({"lookup_batch": 33}, r"lookup_batch 33 is outside the allowed range: an integer in \[1, 32\]"),
     ({"blocking_timeout_secs": -1}, r"blocking_timeout_secs -1 is outside the allowed range"),
     ({"staging_buffer_size": float("nan")}, r"staging_buffer_size nan is outside the allowed range"),
-    ({"kv_load_failure_policy": "fail"}, r"kv_load_failure_policy 'fail' is outside the allowed range: 'recompute'"),
+    ({"kv_load_failure_policy": "fail"}, r"kv_load_failure_policy 'fail' is outside the allowed range: one of recompute"),
     ({"chunksize": 16}, r"unknown HyMCache setting 'chunksize'; the settings are: .*chunk_size"),
+    ({"lookup_timeout_ms": True}, r"lookup_timeout_ms True is outside the allowed range: a number in \(0, 3600000\]"),
+    ({"transfer": "rdma"}, r"transfer 'rdma' is outside the allowed range: one of local, remote"),
+    ({"kv_dtype": "int8"}, r"kv_dtype 'int8' is outside the allowed range: one of bfloat16, float16, float32"),
+    ({"verify_checksum": 1}, r"verify_checksum 1 is outside the allowed range: true or false"),
+    ({"key_name": "a b"}, r"key_name 'a b' is outside the allowed range: a key name matching"),
+    ({"key_dir": "/k", "curve_keys": "/c"}, r"key_dir '/k' is outside the allowed range: unset when curve_keys is set"),
 ])
 def test_config_names_field_value_and_range(values, message):
     with pytest.raises(ChmError, match=message):
@@ -448,3 +455,4 @@ def test_config_names_field_value_and_range(values, message):
     assert (cfg.chunk_size, cfg.blocking_timeout_secs, cfg.lookup_batch, cfg.staging_buffer_size,
             cfg.kv_load_failure_policy) == (16, 10.0, 32, 5.0, "recompute")
     assert cfg.staging_bytes == 1 << 30  # 5 GB of transfer space: at most 1 GiB staged per device handle
+    assert HyMCacheConfig.from_dict({"lookup_timeout_ms": 1000}).lookup_timeout_ms == 1000.0  # an int is a number
