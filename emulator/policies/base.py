@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..config import Config, Field
+from ..config_fields import Config, Field
 from ..frame_table import EvictionPolicy, FrameTable, Inserted, LruOrder
 from ..native import lib
 
