@@ -79,10 +79,10 @@ install: libchm
 test: setup lint sanitize
 	$(PY) -m pytest -q tests
 
-# Python lint (ruff.toml) and every hand-written C file compiled with -Wall -Wextra -Werror (tools/ci/cwarn.py).
+# Python lint (ruff.toml) and every hand-written C file compiled with -Wall -Wextra -Werror (tools/ci/cwarn.py);
+# both run, either failing fails it.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(PY) -m tools.ci.cwarn
+	@status=0; $(VENV)/bin/ruff check . || status=1; $(PY) -m tools.ci.cwarn || status=1; exit $$status
 
 # libchm, the server loop and the native core built with ASan+UBSan into build/sanitize/, the libchm tests and
 # the C stress client run against them: a sanitizer report fails it (tools/ci/sanitize.py).

@@ -5,7 +5,8 @@ The native modules' sources are taken from their build modules at run time (``ma
 ``ApiModule.ffi()``: the files they list, and the flags they pass), so a source added to or split out of a
 module is checked as it is built. Folders whose files are globbed as well (a source not yet wired into a
 build is still checked): libchm/src (flags: ``make -C libchm cflags``), emulator/serve, the replay's and the
-Master table's native folders, and the C programs under tests/, bench/ and examples/ (built against libchm).
+Master table's native folders, the C programs under tests/, bench/ and examples/ (built against libchm),
+and tools/ (the sanitizer job's preload).
 cffi-generated sources (``_*.c``) are never checked.
 
     python -m tools.ci.cwarn [FILE ...]     # no FILE: all of them
@@ -27,7 +28,7 @@ WARNINGS = ("-Wall", "-Wextra", "-Werror")
 JOBS = 2
 LIBCHM = ROOT / "libchm"
 GLOBBED = ("libchm/src/*.c", "emulator/serve/*.c", "host_runtime/replay/native/*.c",
-           "host_runtime/hymcache/native/*.c", "tests/**/*.c", "bench/*.c", "examples/*.c")
+           "host_runtime/hymcache/native/*.c", "tests/**/*.c", "bench/*.c", "examples/*.c", "tools/**/*.c")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ The builds go to build/sanitize/, never over the tree's:
   each built from its build module's own ``make_ffi()`` (its sources, flags and name: a core split into more
   files is built as the tree builds it) with the sanitizer flags added through ``CFLAGS``/``LDFLAGS``, and
   named by its full module name; ``sanitized_site/sitecustomize.py`` imports them in place of the tree's;
-* ``reports/``: the sanitizers' reports (``log_path``), one file per process that had one.
+* ``reports/``: the sanitizers' reports, one file per process that had one: ASan's through its ``log_path``,
+  UBSan's through ``ubsan_log_path.so`` (ubsan_log_path.c: UBSan beside ASan ignores ``log_path``).
 
 Python itself is not instrumented: the ASan runtime is preloaded (``LD_PRELOAD``) into every process, and
 its leak check is off (``detect_leaks=0``: the interpreter's own allocations at exit are no finding).
@@ -33,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SANITIZE = ROOT / "build" / "sanitize"
 LIBDIR, MODULES, REPORTS = SANITIZE / "libchm", SANITIZE / "modules", SANITIZE / "reports"
 SITE = Path(__file__).resolve().parent / "sanitized_site"
+UBSAN_ROUTE_SOURCE = Path(__file__).resolve().parent / "ubsan_log_path.c"
+UBSAN_ROUTE = SANITIZE / "ubsan_log_path.so"
 SAN_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
 STAMP = SANITIZE / "flags"  # the flags the builds here were made with: others are rebuilt
 # The libchm tests cover the library's every entry point (rings, copy and zero-copy paths, prefetch, async,
@@ -96,7 +99,10 @@ def build_all() -> None:
     MODULES.mkdir(parents=True, exist_ok=True)
     STAMP.write_text(flags)
     env = build_env()
-    commands = [["make", "-s", "-C", str(ROOT / "libchm"), f"BUILD={LIBDIR}"]]
+    cc = os.environ.get("CC", "cc")
+    commands = [["make", "-s", "-C", str(ROOT / "libchm"), f"BUILD={LIBDIR}"],
+                [cc, "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(UBSAN_ROUTE),
+                 str(UBSAN_ROUTE_SOURCE), "-ldl"]]
     commands += [[sys.executable, "-m", "tools.ci.sanitize", "--build", which] for which in BUILDS]
     with ThreadPoolExecutor(JOBS) as pool:
         runs = list(pool.map(lambda cmd: subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True),
@@ -110,11 +116,12 @@ def build_all() -> None:
         raise SystemExit(1)
 
 
-def asan_runtime() -> str:
+def runtime(library: str) -> str:
+    """The sanitizer runtime ``library`` (libasan.so, libubsan.so) the compiler links."""
     cc = os.environ.get("CC", "cc")
-    found = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    found = subprocess.run([cc, f"-print-file-name={library}"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(found) or not os.path.exists(found):
-        raise SystemExit(f"sanitize: {cc} has no ASan runtime (libasan.so); {INSTALL_HINT}")
+        raise SystemExit(f"sanitize: {cc} has no {library}; {INSTALL_HINT}")
     return os.path.realpath(found)
 
 
@@ -125,9 +132,10 @@ def run_env() -> dict[str, str]:
         return value + (sep + os.environ[var] if os.environ.get(var) else "")
 
     return dict(os.environ,
-                LD_PRELOAD=prepend("LD_PRELOAD", asan_runtime(), " "),
+                LD_PRELOAD=prepend("LD_PRELOAD", f"{runtime('libasan.so')} {UBSAN_ROUTE}", " "),
                 ASAN_OPTIONS=f"detect_leaks=0:halt_on_error=1:log_path={REPORTS}/asan",
-                UBSAN_OPTIONS=f"print_stacktrace=1:halt_on_error=1:log_path={REPORTS}/ubsan",
+                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+                CHM_UBSAN_LOG_PATH=f"{REPORTS}/ubsan", CHM_UBSAN_RUNTIME=runtime("libubsan.so"),
                 LD_LIBRARY_PATH=prepend("LD_LIBRARY_PATH", str(LIBDIR), ":"),
                 PYTHONPATH=prepend("PYTHONPATH", str(SITE), ":"),
                 CHM_SANITIZED_MODULES=str(MODULES))
