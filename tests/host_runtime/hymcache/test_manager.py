@@ -595,6 +595,11 @@ def served(two_devices):
         yield master, running.manager, {i: str(s.path) for i, s in enumerate(two_devices)}, running, log
 
 
+MASTER = """
+from host_runtime.hymcache.master import run_master
+run_master("tcp://127.0.0.1:0", None)
+"""
+
 MANAGER = """
 import sys
 from host_runtime.hymcache.manager import run_manager
@@ -617,8 +622,7 @@ def spawn(args: list[str], ready: str) -> tuple[subprocess.Popen, str]:
 def test_local_and_remote_workers_read_identical_bytes(two_devices):
     """Processes: a Master, the node's Manager (run_manager) on two devices; this process is both a worker on
     the devices' machine (libchm) and a "remote" one (bytes through the Manager over ZeroMQ)."""
-    master_proc, master_ep = spawn(["-m", "host_runtime.hymcache.master", "--endpoint", "tcp://127.0.0.1:0"],
-                                   "master: serving on")
+    master_proc, master_ep = spawn(["-c", MASTER], "master: serving on")
     manager_proc = None
     try:
         manager_proc, manager_ep = spawn(["-c", MANAGER, master_ep, str(2 * BLOCK), *[s.node for s in two_devices]],
