@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # gcc: the native modules' compiler; its libgcc-N-dev brings the ASan and UBSan runtimes (libasan, libubsan)
 # of its version, which `make sanitize` links and preloads.
-APT_PACKAGES := liburing-dev fio iverilog pkg-config gcc
+APT_PACKAGES := liburing-dev fio iverilog pkg-config gcc man-db
 STAMP := $(VENV)/.installed
 MODEL := build/smollm2-hf/config.json
 
@@ -71,9 +71,10 @@ libchm: $(STAMP)
 	$(PY) -m emulator.serve.srv_build
 	$(PY) -m libchm.ffi_build
 
-# Header, library and pkg-config file under $(PREFIX) (e.g. make install PREFIX=$$HOME/.local).
+# Header, library, pkg-config file and man pages (sections 1 and 3) under $(PREFIX) (e.g. make install PREFIX=$$HOME/.local).
 install: libchm
 	$(MAKE) -C libchm install PREFIX=$(PREFIX)
+	docs/man/install.sh $(PREFIX)
 
 # The gates first (seconds, then under a minute), then the suite.
 test: setup lint sanitize
