@@ -29,7 +29,7 @@ access (or a whole sequence of them) one call into C. An eviction policy
 written in Python (a plug-in: an ``EvictionPolicy`` that is not a
 ``NativeOrder``, or a subclass of one that overrides an operation) still
 works: the C table keeps the bookkeeping and asks the plug-in for each victim
-through this module, which is slower (README, "Write your own policy").
+through this module, which is slower (docs/policies.md, "Write your own policy").
 """
 
 from __future__ import annotations

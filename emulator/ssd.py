@@ -1,7 +1,7 @@
 """The SSD backend: each emulated SSD is a sparse backing file, read and
 written with O_DIRECT through io_uring.
 
-Layout of the device address space over the SSDs (documented in the README):
+Layout of the device address space over the SSDs (docs/emulator.md, "Address layout over the SSDs"):
 the space is cut into stripes of ``ssd.stripe_bytes``; stripe ``s`` lives on
 SSD ``s % count`` at file offset ``(s // count) * stripe_bytes``. So address
 ``a`` is at byte ``(a // stripe // count) * stripe + a % stripe`` of file

@@ -1,7 +1,7 @@
 """What the HyMCache processes say to each other: one definition of every
 message field. msgspec Structs encoded as MessagePack arrays (``array_like``):
-typed on both ends, compact on the wire, and fast to encode and decode (see the
-README for why msgspec). Block bytes never go in a Struct: they travel as
+typed on both ends, compact on the wire, and fast to encode and decode (see
+docs/hymcache.md for why msgspec). Block bytes never go in a Struct: they travel as
 separate zero-copy ZeroMQ frames (``rpc.py``).
 """
 

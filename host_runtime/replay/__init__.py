@@ -3,7 +3,7 @@
     from host_runtime.replay import HymcacheMicrobench, run_replay
     result = run_replay(HymcacheMicrobench(64 << 20, turns=4), "cmmh", "lru")
 
-See README.md beside this file and ``chm replay --help``.
+See docs/replay.md and ``chm replay --help``.
 """
 
 from .driver import VARIANTS, Replay, master_key, replay_config, replay_label, run_replay, window_blocks
