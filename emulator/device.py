@@ -21,18 +21,19 @@ from .errors import ChmError
 
 
 class Device:
-    def __init__(self, controller: Controller, owned_dir: str | None = None, pacing: bool = False):
+    def __init__(self, controller: Controller, owned_dir: str | None = None, pacing: bool = False, clock=time):
         self._ctl: Controller | None = controller
         self._owned_dir = owned_dir
         self.clock_ns = 0.0  # this caller's virtual time
         self.last_latency_ns = 0.0
         self.pacing = pacing
-        self._wall_start = time.perf_counter()
+        self.clock = clock  # pacing's wall clock: monotonic() and sleep(seconds) (the time module; tests inject one)
+        self._wall_start = clock.monotonic()
 
     @classmethod
     def open(cls, profile: str | Path = "small", media_dir: str | Path | None = None, policy: str | None = None,
              config: Config | None = None, overrides: Mapping[str, Any] | None = None,
-             pacing: bool = False, format_media: bool = False, log=None) -> "Device":
+             pacing: bool = False, format_media: bool = False, log=None, clock=time) -> "Device":
         """Open a device from a shipped profile (or ``config``) on a media directory.
 
         ``policy`` overrides the profile's ``policy.name``; ``overrides`` maps
@@ -54,7 +55,7 @@ class Device:
         if media_dir is None and cfg.emulation.data:
             owned = media_dir = tempfile.mkdtemp(prefix="chm-media-")
         try:
-            return cls(Controller(cfg, media_dir, log=log, format_media=format_media), owned, pacing)
+            return cls(Controller(cfg, media_dir, log=log, format_media=format_media), owned, pacing, clock)
         except BaseException:
             if owned:
                 shutil.rmtree(owned, ignore_errors=True)
@@ -75,9 +76,9 @@ class Device:
         self.last_latency_ns = finish - self.clock_ns
         self.clock_ns = finish
         if self.pacing:
-            ahead = self._wall_start + finish / 1e9 - time.perf_counter()
+            ahead = self._wall_start + finish / 1e9 - self.clock.monotonic()
             if ahead > 0:
-                time.sleep(ahead)
+                self.clock.sleep(ahead)
 
     # ---- the API ---------------------------------------------------------------
     def write(self, addr: int, data) -> int:

@@ -144,13 +144,42 @@ def test_prefetch_then_wait_costs_the_staging_time(open_dev):
     dev.release(h)
 
 
-def test_pacing_holds_each_call_until_its_modelled_finish(media_dir):
-    import time
+class SteppedClock:
+    """Pacing's clock in a test: time moves only when the device sleeps (and by ``step`` per reading)."""
 
+    def __init__(self, step: float = 0.0):
+        self.now, self.step, self.sleeps = 1000.0, step, []
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_pacing_holds_each_call_until_its_modelled_finish(media_dir):
     slow_link = {"host_link.bandwidth_gbps": 0.02}  # 1 MiB takes ~52 ms of modelled time each way
-    with Device.open("small", media_dir, policy="lru", overrides=slow_link, pacing=True) as dev:
-        start = time.perf_counter()
+    clock = SteppedClock()
+    with Device.open("small", media_dir, policy="lru", overrides=slow_link, pacing=True, clock=clock) as dev:
+        start = clock.now
         dev.write(0, bytes(MiB))
+        after_write = dev.clock_ns
+        assert clock.now - start == pytest.approx(after_write / 1e9)  # held until the write's modelled finish
         dev.read(0, MiB)
-        assert dev.clock_ns > 100e6
-        assert time.perf_counter() - start >= dev.clock_ns / 1e9
+        assert dev.clock_ns > 100e6 and len(clock.sleeps) == 2
+        assert clock.now - start == pytest.approx(dev.clock_ns / 1e9)
+
+
+def test_pacing_does_not_wait_for_a_finish_already_past(media_dir):
+    with Device.open("small", media_dir, policy="lru", pacing=True, clock=SteppedClock(step=10.0)) as dev:
+        dev.write(0, bytes(MiB))  # the wall clock is 10 s on at each reading: far past any modelled finish
+        assert dev.clock.sleeps == []
+
+
+def test_without_pacing_a_call_never_sleeps(media_dir):
+    clock = SteppedClock()
+    with Device.open("small", media_dir, policy="lru", clock=clock) as dev:
+        dev.write(0, bytes(MiB))
+        assert clock.sleeps == [] and dev.clock_ns > 0
