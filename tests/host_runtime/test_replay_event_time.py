@@ -7,7 +7,6 @@ and each run counts its events (``speed.background_events``): those must not gro
 from __future__ import annotations
 
 import json
-import time
 from itertools import islice
 
 from emulator.cli import main as chm_main
@@ -36,12 +35,11 @@ def write_trace(path, records, shift_ms=lambda i: 0):
     return path
 
 
-def replay(path, variant, time_scale=1.0) -> tuple[dict, float]:
+def replay(path, variant, time_scale=1.0) -> dict:
+    """The run's result; its wall time is bench/bench_event_time.py's (the cost here is its event count)."""
     trace = MooncakeTrace(path, block_bytes=256 * KiB, tokens_per_block=512, time_scale=time_scale)
     rp = Replay(replay_config("small", variant, OVERRIDES), variant, trace, window_bytes=MiB, progress=False)
-    t0 = time.perf_counter()
-    result = rp.run()
-    return result, time.perf_counter() - t0
+    return rp.run()
 
 
 def same_run(a: dict, b: dict) -> bool:
@@ -55,11 +53,10 @@ def test_epoch_millisecond_timestamps_replay_like_timestamps_from_zero(tmp_path)
     plain = write_trace(tmp_path / "plain.jsonl", records)
     epoch = write_trace(tmp_path / "epoch.jsonl", records, lambda i: EPOCH_MS)
     for variant in ("lru", "hymcache"):
-        base, base_wall = replay(plain, variant)
-        shifted, wall = replay(epoch, variant)
+        base = replay(plain, variant)
+        shifted = replay(epoch, variant)
         assert same_run(shifted, base), variant  # time counts from the first request, at full resolution
         assert shifted["rows"][0]["bucket"] == "0"
-        assert wall < 2 * base_wall + 1.0, (variant, wall, base_wall)
 
 
 def test_epoch_second_clock_times_of_a_libcachesim_trace_replay_like_times_from_zero(tmp_path):
@@ -80,10 +77,9 @@ def test_a_day_long_gap_costs_no_more_than_no_gap(tmp_path):
     day = write_trace(tmp_path / "day.jsonl", records, lambda i: DAY_MS if i >= half else 0)
     year = write_trace(tmp_path / "year.jsonl", records, lambda i: YEAR_MS if i >= half else 0)
     for variant in ("lru", "hymcache"):
-        base, base_wall = replay(plain, variant)
-        after_day, day_wall = replay(day, variant)
-        after_year, _ = replay(year, variant)
-        assert day_wall < 2 * base_wall + 1.0, (variant, day_wall, base_wall)
+        base = replay(plain, variant)
+        after_day = replay(day, variant)
+        after_year = replay(year, variant)
         assert after_day["virtual_s"] > 86_400 > base["virtual_s"]
         # a day or a year of idle time: the same events (give or take float rounding, coarser a year on),
         # not one per tick of the span
@@ -96,20 +92,18 @@ def test_time_scale_stretches_virtual_time_not_the_work(tmp_path):
     """--time-scale 1000 makes the trace's span 1000 times longer; the work, and so the cost, stays."""
     plain = write_trace(tmp_path / "plain.jsonl", first_records())
     for variant in ("lru", "hymcache"):
-        base, base_wall = replay(plain, variant)
-        slow, wall = replay(plain, variant, time_scale=1000.0)
+        base = replay(plain, variant)
+        slow = replay(plain, variant, time_scale=1000.0)
         assert slow["virtual_s"] > 500 * base["virtual_s"]
         assert slow["speed"]["background_events"] <= 2 * base["speed"]["background_events"] + 10
-        assert wall < 2 * base_wall + 1.0, (variant, wall, base_wall)
 
 
 def test_chm_replay_of_an_epoch_stamped_trace_with_a_day_gap(tmp_path, capsys):
     records = first_records()[:50]
     path = write_trace(tmp_path / "t.jsonl", records, lambda i: EPOCH_MS + (DAY_MS if i >= 25 else 0))
-    t0 = time.perf_counter()
     rc = chm_main(["replay", str(path), "--profile", "small", "--policy", "lru", "--block-bytes", "256KiB",
                    "--tokens-per-block", "512", "--time-scale", "1000", "--window-s", "86400", "--no-progress",
                    "--set", "dram.size_bytes=67108864", "--set", "policy.prefetch_window_bytes=8388608"])
-    assert rc == 0 and time.perf_counter() - t0 < 30
+    assert rc == 0  # its wall time: bench/bench_event_time.py
     out = capsys.readouterr().out
     assert "total" in out
