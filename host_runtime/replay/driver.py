@@ -564,7 +564,7 @@ class Replay:
         wall0, cpu0 = started or (time.perf_counter(), time.process_time())
         now = self._populate(self.workload.populate_keys(), 0.0)
         t_start = now
-        loop = self.native_loop = NativeLoop(self)
+        loop = self.native_loop = NativeLoop(self, Bucket)
         loop.add_known(self.known)
         self.pbar = self._progress_bar(None)  # a streamed trace's length is known at its end
         try:

@@ -35,6 +35,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from .blocks import MAX_OBJECT_BLOCKS, OBJECT_BLOCK_BITS, OutOfOrder
 from .traces import Phase, Request, Stream, check_span, check_time_scale
 
 # libCacheSim's oracleGeneral record: time (s), obj_id, obj_size, next access (-1: unknown)
@@ -86,8 +87,6 @@ TRACE_PARAMS: dict[str, tuple[str, str]] = {
     "block-size": ("block_size", _COUNT),
 }
 _TRUE, _FALSE = ("true", "1", "yes", "y"), ("false", "0", "no", "n")  # libCacheSim's is_true()
-OBJECT_BLOCK_BITS = 24  # key of block j of object o: o << OBJECT_BLOCK_BITS | j
-MAX_OBJECT_BLOCKS = 1 << OBJECT_BLOCK_BITS
 NS_PER_S = 1e9  # libCacheSim's clock_time is in seconds
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # libCacheSim's log entries: "[LEVEL] date file:line (tid=N): text", the text possibly over several lines
@@ -423,7 +422,6 @@ class LibCacheSimTrace:
         time, ns per clock unit, ignore_obj_size)) batches, each request its own stream from the first request's
         time. Streamed, unless ``whole`` (a trace out of time order: from the columns, timed from their earliest
         request, as ``phases`` times them); a streamed request earlier than the first raises OutOfOrder."""
-        from .native_replay import OutOfOrder
 
         ns = NS_PER_S * self.time_scale
         if whole:

@@ -19,19 +19,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from driver.errors import ChmError
+from .blocks import OBJECT_BLOCK_BITS, OutOfOrder, key_array  # noqa: F401 (OutOfOrder, key_array re-exported)
 from .native_build import REPLAY_LOOP
 
-KEY_DTYPE = np.dtype([("lo", "<u8"), ("hi", "<u8")])  # rp_key: a block key as the Master's 16-byte key
-_U64 = 1 << 64
 
 
 @functools.cache
 def _module():
     return REPLAY_LOOP.load()
-
-
-class OutOfOrder(Exception):
-    """A stream starts before an event already run (a trace out of time order): feed each phase whole."""
 
 
 def native_problem(replay) -> str | None:
@@ -49,7 +44,7 @@ def native_problem(replay) -> str | None:
         return "the host index is not the native Master table"
     if os.environ.get(native_build.MUTATION_ENV):
         return f"${native_build.MUTATION_ENV} plants a mutation in the device core"
-    if not getattr(ctl, "_native_staging", False) or ctl.flusher._nat() is None:
+    if not getattr(ctl, "_native_staging", False) or ctl.flusher.dev is None:
         return f"device policy {ctl.policy.name!r} has no native data-off path of one area"
     if ctl.policy.write_buffer_pages:
         return f"device policy {ctl.policy.name!r} keeps a write buffer"
@@ -58,38 +53,25 @@ def native_problem(replay) -> str | None:
     return None
 
 
-def key_array(keys) -> np.ndarray:
-    """Block keys (non-negative ints, at most 128 bits) as rp_key records."""
-    out = np.empty(len(keys), KEY_DTYPE)
-    try:
-        out["lo"] = np.asarray(keys, dtype=np.uint64)
-        out["hi"] = 0
-    except OverflowError:  # a key past 64 bits
-        out["lo"] = [k % _U64 for k in keys]
-        out["hi"] = [k >> 64 for k in keys]
-    return out
-
-
 class NativeLoop:
     """The C loop on ``replay``'s controller and Master (driver.Replay, ``native_problem`` None)."""
 
-    def __init__(self, replay):
+    def __init__(self, replay, bucket_type):
         from emulator.native import ffi as core_ffi
 
         from host_runtime.hymcache.checks import MAX_BATCH
 
-        from .lcs_trace import OBJECT_BLOCK_BITS
-
         m = _module()
         self.ffi, self.lib = ffi, lib = m.ffi, m.lib
         self.replay = replay
+        self.bucket_type = bucket_type  # driver.Bucket: the rows finish() hands back
         ctl, master = replay.ctl, replay.master
         p = ffi.new("struct rp_params *")
         p.block_bytes, p.slot_bytes, p.refusal_ns = replay.block_bytes, replay.slot_bytes, replay.refusal_ns
         p.bucket_ns, p.by_time, p.sequential = replay.bucket_ns, replay.by_time, replay.sequential
         p.max_batch, p.object_block_bits = MAX_BATCH, OBJECT_BLOCK_BITS
         p.prefill_block_flops, p.prefill_position_flops = replay.prefill.flops_terms()
-        dev = ffi.cast("void *", int(core_ffi.cast("uintptr_t", ctl.flusher._nat())))
+        dev = ffi.cast("void *", int(core_ffi.cast("uintptr_t", ctl.flusher.dev)))
         table = ffi.cast("void *", int(master._ffi.cast("uintptr_t", master._t)))
         out = ffi.new("struct rp_engine **")
         rc = lib.rp_new(dev, table, p, float(ctl.flusher.background_ns), out)
@@ -193,8 +175,6 @@ class NativeLoop:
     # ---- results ---------------------------------------------------------------------------
     def finish(self) -> None:
         """The device's background clock and counters back to the controller, the rows to ``replay.buckets``."""
-        from .driver import Bucket
-
         replay, lib, ffi = self.replay, self.lib, self.ffi
         c = self.counts()
         fl = replay.ctl.flusher
@@ -204,7 +184,7 @@ class NativeLoop:
         replay.revoked += c.revoked
         replay.no_space_puts += c.no_space_puts
         b = ffi.new("struct rp_bucket *")
-        fields = Bucket.SUMMED + Bucket.SPANS
+        fields = self.bucket_type.SUMMED + self.bucket_type.SPANS
         for i in range(lib.rp_buckets(self._e)):
             lib.rp_get_bucket(self._e, i, b)
             n = b.latencies
@@ -216,7 +196,7 @@ class NativeLoop:
                 key, row = b.key, replay.window_bucket(b.key)
             else:
                 key = self.labels[b.key]
-                row = Bucket(key, start_ns=b.start_ns)
+                row = self.bucket_type(key, start_ns=b.start_ns)
             for name in fields:
                 setattr(row, name, getattr(b, name))
             row.latency_counts = (values[order], counts[order])

@@ -31,6 +31,7 @@ from emulator.config import FIELDS_BY_KEY, parse_field_value
 from emulator.errors import ConfigError
 
 from .driver import VARIANTS
+from .runs import configs, replay_results
 
 # shorthand -> (what it sets, help)
 SHORTHANDS: dict[str, tuple[str, str]] = {
@@ -153,23 +154,19 @@ def point_args(args: dict, point: dict) -> dict:
 
 def run_point(spec: dict) -> dict:
     """One grid point, replayed as ``chm replay`` would with these arguments (in a Dask worker, or here)."""
-    from . import cli
-
     args = Namespace(**spec["args"])
-    result = cli.replay_results(args, progress=False)[0]
+    result = replay_results(args, progress=False)[0]
     result["point"] = spec["point"]
     return result
 
 
 def check_points(args: Namespace, points: list[dict]) -> list[dict]:
     """Every point's task spec, its profile built here first, so a bad value fails before any task runs."""
-    from . import cli
-
     specs = []
     for point in points:
         spec = {"point": point, "args": point_args(vars(args), point)}
         try:
-            cli.configs(Namespace(**spec["args"]))
+            configs(Namespace(**spec["args"]))
         except (ValueError, ConfigError) as exc:
             raise UsageError(f"--sweep point {point_label(point)}: {exc}") from None
         specs.append(spec)

@@ -183,7 +183,7 @@ class MooncakeTrace:
         nothing: the records are in memory)."""
         import numpy as np
 
-        from .native_replay import key_array
+        from .blocks import key_array
 
         first, n = min(ts for ts, _ in self.records), self.blocks_per_hash
         step = 1 << 16
