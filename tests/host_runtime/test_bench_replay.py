@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
-import libcachesim as lcs
 
 from bench import bench_replay
 from host_runtime.replay.lcs_trace import parse_trace_params
+from tests.conftest import require_oracle
+
+lcs = require_oracle("libcachesim")  # the oracle: missing, these tests fail with the install hint
 
 
 def test_the_zipf_csv_is_seeded_and_libcachesim_reads_it_with_the_bench_params(tmp_path):

