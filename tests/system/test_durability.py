@@ -33,12 +33,14 @@ HOLD = sets(HOLD_WRITES)
 
 
 def wait_for(predicate, what: str, timeout: float = 30.0):
+    """Poll a device served by another process for a state its background flusher reaches on its own wall clock
+    (a retry backs off 1 s, doubling): that clock is the behaviour under test, so the wait is a poll."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.05)
+        time.sleep(0.05)  # the poll's interval (see above): the device's own clock is what is under test
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -169,7 +171,7 @@ def test_background_flush_error_never_ends_serve_and_retries_until_space_returns
                     assert exc.errno in (errno.EAGAIN, errno.ENOSPC)
                     if exc.errno == errno.ENOSPC or mode == "faults":
                         break
-                    time.sleep(0.02)
+                    os.sched_yield()  # the flusher drains the buffer meanwhile; no timing here
             wait_for(lambda: d.stats()["media_error"], "the background flush to fail")
             assert srv.proc.poll() is None  # serve goes on
             assert d.read(0, written) == data[:written]

@@ -64,7 +64,7 @@ def test_many_clients_and_a_killed_one(tmp_path):
         victim = subprocess.Popen(py + [srv.node, "9", str(200 * REGION), str(REGION), *map(str, common), "30", "1"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         assert victim.stdout.readline().strip() == "holding"
-        time.sleep(1.0)
+        time.sleep(1.0)  # the behaviour under test: the victim dies a second into the others' 3 s runs
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]

@@ -5,6 +5,7 @@ Errors follow emulator.cli.run: ``chm hymcache CMD: error: ...``, exit 2 for usa
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -24,6 +25,31 @@ SUBCOMMANDS = ("up", "master", "manager", "stats", "chat")
 
 def chm(*args, timeout=60):
     return subprocess.run([CHM, "hymcache", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def wait_exited(pids, timeout_s: float) -> set[int]:
+    """Wait, on pidfds (readable once a process has exited, reaped or not), until every one of ``pids`` has
+    exited or ``timeout_s`` passes; returns the pids still running."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            pass  # gone already
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while fds and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                os.close(fd)
+                del fds[fd]
+        return set(fds.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def alive(pid: int) -> bool:
@@ -230,10 +256,7 @@ def test_up_stops_everything_when_a_child_dies_and_children_die_with_up(tmp_path
         pids = up.pids
         up.proc.kill()                                                  # kill -9 of up itself
         up.proc.wait()
-        deadline = time.monotonic() + 60
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in pids)                          # PDEATHSIG: no orphans
+        assert wait_exited(pids, timeout_s=60) == set()                # PDEATHSIG: no orphans
     for x in up.desc["devices"]:
         for p in (Path(x["path"]), Path(x["path"] + ".sock")):
             p.unlink(missing_ok=True)
