@@ -81,16 +81,10 @@ from __future__ import annotations
 
 import errno
 import heapq
-import math
-import resource
 import time
-from array import array
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, Mapping
 
-import numpy as np
-
-from emulator.config import Config, load_profile
+from emulator.config import Config
 from emulator.controller import Controller
 from emulator.errors import ChmError, WriteBufferFull
 from host_runtime.hymcache.clock import ManualClock
@@ -99,15 +93,13 @@ from host_runtime.hymcache.checks import MAX_BATCH
 from host_runtime.hymcache.native_master import NativeMaster
 from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
 
+from .bucket import Bucket
+from .native_run import NativeRun
 from .prefill import PrefillModel, prefill_for_block
+from .result import ReplayResult
 from .traces import WINDOW_S_RANGE, Workload
+from .variants import VARIANTS, replay_config, replay_label  # noqa: F401 (re-exported)
 
-# variant -> (device policy, prefetch on)
-VARIANTS: dict[str, tuple[str, bool]] = {
-    "lru": ("lru", False),
-    "hymcache": ("hymcache", True),
-    "hymcache-noprefetch": ("hymcache", False),
-}
 DEFAULT_WINDOW_BYTES = WINDOW_BYTES  # the KV Manager's per-request window: ~128 MB of KV (8 x 16 MB, 4 x 32 MB)
 NS_PER_S = 1e9
 HOST_INDEX = NativeMaster  # the Master's decisions in C (module docstring); master.Master makes the same ones
@@ -118,101 +110,7 @@ def master_key(key: int) -> bytes:
     return key.to_bytes(KEY_BYTES, "little")
 
 
-def replay_config(profile: str, variant: str, overrides: Mapping[str, Any] | None = None,
-                  device_policy: str | None = None) -> Config:
-    """The profile with data off and the device DRAM policy set: ``device_policy`` if given, else the one
-    ``overrides`` name (``policy.name``), else the variant's default."""
-    if variant not in VARIANTS:
-        raise ValueError(f"policy = {variant!r} is not one of {', '.join(VARIANTS)}")
-    changes = {"emulation.data": False, "policy.name": VARIANTS[variant][0], **(overrides or {})}
-    if device_policy is not None:
-        changes["policy.name"] = device_policy
-    return load_profile(profile).with_overrides(changes)
-
-
-@dataclass
-class Bucket:
-    """One report row's accumulators (a turn, or a window of virtual time)."""
-
-    label: str
-    start_ns: float = math.inf
-    end_ns: float = 0.0
-    reads: int = 0
-    writes: int = 0
-    read_bytes: int = 0
-    write_bytes: int = 0
-    refused_writes: int = 0
-    hit_pages: int = 0  # read pages found in DRAM (or already being staged)
-    miss_pages: int = 0  # read pages staged from the SSDs
-    write_hit_pages: int = 0  # written pages that already had a frame
-    write_miss_pages: int = 0  # written pages that needed a new frame (a first touch: a cache miss)
-    prefetch_busy: int = 0
-    recomputed_blocks: int = 0  # reusable blocks of the row's requests that the device did not serve
-    recompute_flops: float = 0.0  # their prefill FLOPs (prefill.PrefillModel)
-    first_read: float = math.inf
-    last_read: float = 0.0
-    first_write: float = math.inf
-    last_write: float = 0.0
-    read_latency_ns: array = field(default_factory=lambda: array("d"))
-    # the native loop's: the distinct latencies, ascending, and how often each came (instead of read_latency_ns)
-    latency_counts: tuple | None = None
-    # the accumulators a total adds up, and the ones it takes the earliest / latest of
-    SUMMED: ClassVar[tuple[str, ...]] = ("reads", "writes", "read_bytes", "write_bytes", "refused_writes", "hit_pages",
-                                         "miss_pages", "write_hit_pages", "write_miss_pages", "prefetch_busy",
-                                         "recomputed_blocks", "recompute_flops")
-    SPANS: ClassVar[tuple[str, ...]] = ("first_read", "last_read", "first_write", "last_write")
-
-    def percentile_ms(self, p: float) -> float:
-        """The p-th percentile read latency (ms): the sorted latencies' element ``int(p / 100 * n)``."""
-        if self.latency_counts is None:
-            lat = sorted(self.read_latency_ns)
-            return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] / 1e6 if lat else 0.0
-        values, counts = self.latency_counts
-        cumulative = np.cumsum(counts)
-        n = int(cumulative[-1]) if len(cumulative) else 0
-        if not n:
-            return 0.0
-        return float(values[np.searchsorted(cumulative, min(n - 1, int(p / 100 * n)), side="right")]) / 1e6
-
-    def row(self, window_ns: float | None, flops_per_s: float = math.inf) -> dict:
-        def gbps(nbytes, span):  # GB/s is bytes per ns
-            return nbytes / span if span > 0 else 0.0
-
-        pct = self.percentile_ms
-
-        pages = self.hit_pages + self.miss_pages
-        return {
-            "bucket": self.label,
-            "read_gbps": gbps(self.read_bytes, window_ns or self.last_read - self.first_read),
-            "write_gbps": gbps(self.write_bytes, window_ns or self.last_write - self.first_write),
-            "hit_rate": self.hit_pages / pages if pages else 0.0,
-            "blocks_read": self.reads, "blocks_written": self.writes, "refused_writes": self.refused_writes,
-            "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
-            "hit_pages": self.hit_pages, "miss_pages": self.miss_pages,
-            "write_hit_pages": self.write_hit_pages, "write_miss_pages": self.write_miss_pages,
-            "prefetch_busy": self.prefetch_busy,
-            "read_p50_ms": pct(50), "read_p99_ms": pct(99),
-            "span_s": (max(self.last_read, self.last_write) - self.start_ns) / 1e9 if self.start_ns < math.inf else 0.0,
-            **self.recompute_columns(window_ns is not None, flops_per_s),
-        }
-
-    def recompute_columns(self, by_time: bool, flops_per_s: float) -> dict:
-        """The cost of what was not served (driver module docstring): blocks, their prefill time, read and serve time."""
-        if not self.reads:
-            read_s = 0.0
-        else:
-            read_s = (self.last_read - (self.first_read if by_time else self.start_ns)) / 1e9
-        recompute_s = self.recompute_flops / flops_per_s
-        return {"recomputed_blocks": self.recomputed_blocks, "recompute_flops": self.recompute_flops,
-                "recompute_s": recompute_s, "read_s": read_s, "serve_s": read_s + recompute_s}
-
-
-def replay_label(variant: str, device_policy: str) -> str:
-    """How a run is named in tables and plots: the variant, plus the device policy when it is not the variant's own."""
-    return variant if device_policy == VARIANTS[variant][0] else f"{variant} on {device_policy}"
-
-
-class Replay:
+class Replay(NativeRun, ReplayResult):
     """One request behaviour (variant) over one workload on a fresh controller running ``cfg.policy.name``."""
 
     def __init__(self, cfg: Config, variant: str, workload: Workload, window_bytes: int = DEFAULT_WINDOW_BYTES,
@@ -554,148 +452,6 @@ class Replay:
             self.pbar.close()
         wall = time.perf_counter() - wall0
         return self._result(t_start, now, wall, time.process_time() - cpu0)
-
-    def _run_native(self, whole: bool = False, started: tuple[float, float] | None = None) -> dict:
-        """``run`` on the native loop (native_replay.py). ``whole``: each phase fed whole before it runs (a trace
-        out of time order: the first attempt stops at its first request out of order and this runs afresh, its
-        wall and CPU time counted from ``started``, the first attempt's start)."""
-        from .native_replay import NativeLoop, OutOfOrder
-
-        wall0, cpu0 = started or (time.perf_counter(), time.process_time())
-        now = self._populate(self.workload.populate_keys(), 0.0)
-        t_start = now
-        loop = self.native_loop = NativeLoop(self, Bucket)
-        loop.add_known(self.known)
-        self.pbar = self._progress_bar(None)  # a streamed trace's length is known at its end
-        try:
-            now = self._feed_native(loop, now, whole)
-        except OutOfOrder:
-            if whole:
-                raise RuntimeError("the native replay loop found a stream out of order in a phase fed whole")
-            cfg, variant, workload, kwargs = self._init
-            fresh = Replay(cfg, variant, workload, **kwargs)
-            result = fresh._run_native(whole=True, started=(wall0, cpu0))
-            self.__dict__.update(fresh.__dict__)
-            return result
-        finally:
-            self.pbar.close()
-        loop.finish()
-        return self._result(t_start, now, time.perf_counter() - wall0, time.process_time() - cpu0)
-
-    def _feed_native(self, loop, now: float, whole: bool) -> float:
-        """Every phase of the workload through the loop; the run's end."""
-        lib, workload, pbar = loop.lib, self.workload, self.pbar
-        more = lib.RP_FEED_HOLD if whole else lib.RP_FEED_MORE
-        batches = getattr(workload, "native_batches", None)
-        if batches is not None:  # a trace: one phase, in batches of arrays
-            loop.phase_begin(now, "trace")
-            for kind, args in batches(whole):  # the phase's end runs what is left
-                if kind == "objects":
-                    loop.feed_objects(*args, final=more)
-                else:
-                    loop.feed(*args, final=more)
-                pbar.update(loop.blocks_done())
-            now = loop.phase_end()
-            pbar.update(loop.blocks_done())
-            if hasattr(workload, "counted"):
-                c = loop.counts()
-                workload.counted(c.requests, c.objects, c.block_refs)
-            return now
-        for phase in workload.phases():
-            loop.phase_begin(now, phase.label)
-            loop.feed_phase(phase)
-            now = loop.phase_end()
-            pbar.update(loop.blocks_done())
-        return now
-
-    def _result(self, t_start: float, t_end: float, wall_s: float, cpu_s: float) -> dict:
-        window = self.bucket_ns if self.by_time else None
-        flops_per_s = self.prefill.gpu.flops_per_s
-        rows = [self.buckets[k].row(window, flops_per_s) for k in sorted(self.buckets)] if self.by_time else \
-            [b.row(None, flops_per_s) for b in self.buckets.values()]
-        total = Bucket("total", start_ns=t_start)
-        for b in self.buckets.values():
-            for name in Bucket.SUMMED:
-                setattr(total, name, getattr(total, name) + getattr(b, name))
-            total.first_read, total.last_read = min(total.first_read, b.first_read), max(total.last_read, b.last_read)
-            total.first_write, total.last_write = min(total.first_write, b.first_write), max(total.last_write, b.last_write)
-            total.read_latency_ns.extend(b.read_latency_ns)
-        native_rows = [b.latency_counts for b in self.buckets.values() if b.latency_counts is not None]
-        if native_rows:
-            values = np.concatenate([v for v, _ in native_rows])
-            order = np.argsort(values, kind="stable")
-            total.latency_counts = (values[order], np.concatenate([c for _, c in native_rows])[order])
-        snap = self.ctl.snapshot()
-        page = self.cfg.device.page_size_bytes
-        block_ops = total.reads + total.writes + total.refused_writes
-        page_ops = snap["page_hits"] + snap["page_misses"] + snap["merged_misses"] + snap["prefetch_staged_pages"] \
-            + snap["prefetch_resident_pages"] + snap["write_bytes"] // page
-        device_policy = self.cfg.policy.name
-        read_pages, write_pages = total.hit_pages + total.miss_pages, total.write_hit_pages + total.write_miss_pages
-        misses = total.miss_pages + total.write_miss_pages
-        total_row = total.row(None, flops_per_s)
-        if self.by_time:  # first to last read of the run
-            total_row.update(total.recompute_columns(True, flops_per_s))
-        else:  # the turns' device read times add up (the barrier separates them)
-            total_row["read_s"] = sum(row["read_s"] for row in rows)
-            total_row["serve_s"] = total_row["read_s"] + total_row["recompute_s"]
-        return {
-            "policy": self.variant,
-            "device_policy": device_policy,
-            "label": replay_label(self.variant, device_policy),
-            "sequential": self.sequential,
-            "profile": self.cfg.source,
-            "workload": {"name": self.workload.name, "block_bytes": self.block_bytes, **self.workload.describe()},
-            "window_blocks": self.window_blocks if self.prefetching else None,
-            "link_gbps": self.cfg.host_link.bandwidth_gbps,
-            "dram_bytes": self.cfg.dram.size_bytes,
-            "bucket_by": "time" if self.by_time else "phase",
-            "bucket_s": self.bucket_ns / 1e9 if self.by_time else None,
-            "rows": rows,
-            "total": total_row,
-            "recompute": self.prefill.describe(),
-            "virtual_s": (t_end - t_start) / 1e9,
-            "dram": {
-                "peak_staged_bytes": self.peak_staged_pages * page,
-                "peak_write_buffer_bytes": self.peak_write_buffer_pages * page,
-                "write_buffer_bytes": self.cfg.write_buffer_frames * page,
-                "window_bound_bytes": self._window_bound(),
-            },
-            "device": {k: snap[k] for k in ("page_hits", "page_misses", "merged_misses", "prefetch_staged_pages",
-                                            "prefetch_resident_pages", "evictions", "dirty_evictions", "flushed_pages",
-                                            "slowed_reads", "refused_writes", "ssd_read_bytes", "ssd_write_bytes")},
-            # the host side (the runtime's Master): blocks it evicted to make room (the field's name predates it)
-            "host_index_evictions": self.master.counters["evictions"],
-            "master": self._master_counts(),
-            # the DRAM as a cache: page accesses (reads and accepted writes) and those that found no frame
-            "cache": {"accesses": read_pages + write_pages, "misses": misses, "read_misses": total.miss_pages,
-                      "write_misses": total.write_miss_pages,
-                      "miss_ratio": misses / (read_pages + write_pages) if read_pages + write_pages else 0.0},
-            "speed": {"wall_s": wall_s, "cpu_s": cpu_s, "block_accesses": block_ops, "page_accesses": page_ops,
-                      "background_events": self.ctl.events_run,
-                      "block_accesses_per_s": block_ops / wall_s if wall_s else 0.0,
-                      "page_accesses_per_s": page_ops / wall_s if wall_s else 0.0,
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
-        }
-
-    def _master_counts(self) -> dict:
-        """What the Master decided: its counters as they stand (no expiry run for the asking)."""
-        c, m = self.master.counters, self.master
-        return {"evictions": c["evictions"], "registered_blocks": c["registered_blocks"],
-                "refused_revoked": self.revoked, "put_timeouts": c["revoked_blocks"] - self.revoked,
-                "no_space_puts": self.no_space_puts, "lookup_hits": c["lookup_hits"],
-                "settings": {k: getattr(m, k) for k in ("lease_s", "lease_max_s", "put_timeout_s", "high_watermark",
-                                                        "low_watermark")}}
-
-    def _window_bound(self) -> int | None:
-        """Most staged bytes the per-request windows allow at the workload's concurrency."""
-        if not self.prefetching:
-            return None
-        concurrency = getattr(self.workload, "concurrency", None)
-        slot = self.slot_bytes
-        device_bound = self.cfg.policy.prefetch_window_bytes
-        return device_bound if concurrency is None else min(device_bound, concurrency * self.window_blocks * slot)
-
 
 class _NoProgress:
     """The progress bar when none is shown."""

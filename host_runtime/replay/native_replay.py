@@ -5,7 +5,7 @@ state (tests/host_runtime/test_native_replay.py runs them side by side).
 A workload goes in as batches of arrays, never as a Python object per request: a libCacheSim trace as its
 reader's columns (``LibCacheSimTrace.native_batches``: time, object id, size), a Mooncake trace as its requests'
 start times and keys, any other workload phase by phase from its streams. What comes back are the report rows'
-accumulators (``driver.Bucket``, read latencies as distinct values and counts) and the loop's counters; the
+accumulators (``bucket.Bucket``, read latencies as distinct values and counts) and the loop's counters; the
 controller's and the Master's state are theirs already (the loop ran on their structs).
 """
 
@@ -64,7 +64,7 @@ class NativeLoop:
         m = _module()
         self.ffi, self.lib = ffi, lib = m.ffi, m.lib
         self.replay = replay
-        self.bucket_type = bucket_type  # driver.Bucket: the rows finish() hands back
+        self.bucket_type = bucket_type  # bucket.Bucket: the rows finish() hands back
         ctl, master = replay.ctl, replay.master
         p = ffi.new("struct rp_params *")
         p.block_bytes, p.slot_bytes, p.refusal_ns = replay.block_bytes, replay.slot_bytes, replay.refusal_ns
