@@ -1,114 +1,125 @@
-"""The Master's argument checks and limits (EINVAL naming the field), for ``Master`` (master.py, which
-re-exports them) and ``NativeMaster`` (native_master.py) alike: a module without master.py's server side
-(ZeroMQ, keys, RPC), so the replay's NativeMaster starts without importing it."""
+"""The Master's argument checks, settings and limits, for ``Master`` (master.py, which re-exports them) and
+``NativeMaster`` (native_master.py) alike: the common family (``common.checks``, EINVAL in its one wording:
+field, value, allowed range), in a module without master.py's server side (ZeroMQ, keys, RPC), so the replay's
+NativeMaster starts without importing it."""
 
 from __future__ import annotations
 
 import errno
-import reprlib
+from typing import Annotated, Literal, get_args
 
 import msgspec
-import numpy as np
+from msgspec import Meta
 
+from common.checks import Checks
 from driver.errors import ChmError
 
-from .messages import KEY_BYTES, DeviceInfo, to
+from .messages import KEY_BYTES, MAX_REQUEST_ID, DeviceInfo
 
 MAX_NODE = (1 << 16) - 1
 MAX_DEVICE = (1 << 8) - 1
 MAX_LENGTH = (1 << 32) - 1
 MAX_BATCH = 1 << 16                 # keys per call: bounds one call's work and message
 MAX_TIMEOUT_S = 86_400.0            # leases and put timeouts: far below the u4 ms range
-PLACEMENTS = ("round_robin", "load_aware")
+MAX_ENDPOINT = 1024                 # characters of a node's endpoint
+Placement = Literal["round_robin", "load_aware"]  # node chosen per put_start: in turn, or the least used
+PLACEMENTS = get_args(Placement)
+
+check = Checks(lambda message: ChmError(errno.EINVAL, message))
+
+Seconds = Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)]
+Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
 
 
-# ---------------------------------------------------------------- validation
+class MasterSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How a Master decides (Master's and NativeMaster's keyword options), each with its range."""
+
+    lease_s: Seconds = 10.0              # read lease granted by a lookup
+    lease_max_s: Seconds = 30.0          # a lease is never renewed past this long after its first grant
+    put_timeout_s: Seconds = 30.0        # a put_start without put_end is revoked after this long
+    high_watermark: Fraction = 0.90      # evict when a device's used fraction passes this ...
+    low_watermark: Fraction = 0.85       # ... down to this
+    placement: Placement = "round_robin"
+    snapshot_every: Annotated[int, Meta(ge=1, le=1 << 40)] = 100_000  # records between snapshots
+
+    def __post_init__(self) -> None:
+        if self.lease_max_s < self.lease_s:
+            raise check.fail("lease_max_s", _as_given(self.lease_max_s), f"a number >= lease_s {self.lease_s:g}")
+        if self.low_watermark > self.high_watermark:
+            raise check.fail("low_watermark", _as_given(self.low_watermark),
+                             f"a number <= high_watermark {self.high_watermark:g}")
+
+
+def _as_given(value: float) -> float | int:
+    """A converted option as its caller likely wrote it (10, not 10.0) for an error to quote."""
+    return int(value) if value.is_integer() else value
+
+
+SETTINGS = tuple(MasterSettings.__struct_fields__)
+
+
+def set_options(master, **options) -> None:
+    """Master's keyword options (``SETTINGS``), checked (EINVAL naming the option), as ``master``'s attributes;
+    NativeMaster's too."""
+    settings = check.convert(options, MasterSettings)
+    for name in SETTINGS:
+        setattr(master, name, getattr(settings, name))
+
+
+# ---------------------------------------------------------------- per call
 
 def _check_int(value, field: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ChmError(errno.EINVAL, f"{field} {value!r} must be an int in [{lo}, {hi}]")
-    if not lo <= value <= hi:
-        raise ChmError(errno.EINVAL, f"{field} {value} out of range [{lo}, {hi}]")
-    return int(value)
+    return check.int(field, value, lo, hi)
 
 
 def _check_list(values, field: str) -> list:
-    if not isinstance(values, (list, tuple)):
-        raise ChmError(errno.EINVAL, f"{field} must be a list of at most {MAX_BATCH} items, got "
-                                     f"{type(values).__name__} {reprlib.repr(values)}")
-    if len(values) > MAX_BATCH:
-        raise ChmError(errno.EINVAL, f"{field}: {len(values)} items; at most {MAX_BATCH} per call")
-    return list(values)
+    return check.items(field, values, 0, MAX_BATCH)
 
 
 def _check_versions(versions, n: int) -> list:
     """put_end / put_revoke's optional ``versions``: one per key (WriteLoc.version), or None for all."""
     if versions is None:
         return [None] * n
-    versions = _check_list(versions, "versions")
-    if len(versions) != n:
-        raise ChmError(errno.EINVAL, f"versions has {len(versions)} items for {n} keys")
-    return [_check_int(v, f"versions[{i}]", 0, (1 << 32) - 1) for i, v in enumerate(versions)]
+    versions = _check_per_key(versions, "versions", n)
+    return [check.int(f"versions[{i}]", v, 0, (1 << 32) - 1) for i, v in enumerate(versions)]
+
+
+def _check_per_key(values, field: str, n: int) -> list:
+    """One item per key: ``sizes``, ``checksums``, ``versions``."""
+    values = _check_list(values, field)
+    if len(values) != n:
+        raise check.error(f"{field} has {len(values)} items for {n} keys")
+    return values
 
 
 def _check_keys(keys, field: str = "keys") -> list[bytes]:
     keys = _check_list(keys, field)
     if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:  # the common case, in C loops
         return keys
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes):
-            if not isinstance(key, (bytearray, memoryview)):
-                raise ChmError(errno.EINVAL, f"{field}[{i}] must be {KEY_BYTES} bytes, got {type(key).__name__}")
-            keys[i] = key = bytes(key)
-        if len(key) != KEY_BYTES:
-            raise ChmError(errno.EINVAL, f"{field}[{i}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
-    return keys
+    return [check.blob(f"{field}[{i}]", key, KEY_BYTES) for i, key in enumerate(keys)]
 
 
-def _check_seconds(value, field: str, lo_exclusive: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo_exclusive < value <= MAX_TIMEOUT_S:
-        raise ChmError(errno.EINVAL, f"{field} {value!r} must be a number in ({lo_exclusive}, {MAX_TIMEOUT_S}]")
-    return float(value)
-
-
-def set_options(master, lease_s, lease_max_s, put_timeout_s, high_watermark, low_watermark, placement,
-                snapshot_every) -> None:
-    """Master's keyword options, checked (EINVAL naming the option), as ``master``'s attributes; NativeMaster's too."""
-    master.lease_s = _check_seconds(lease_s, "lease_s")
-    master.lease_max_s = _check_seconds(lease_max_s, "lease_max_s")
-    if master.lease_max_s < master.lease_s:
-        raise ChmError(errno.EINVAL, f"lease_max_s {lease_max_s} must be >= lease_s {lease_s}")
-    master.put_timeout_s = _check_seconds(put_timeout_s, "put_timeout_s")
-    for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ChmError(errno.EINVAL, f"{name} {value!r} must be in (0, 1]")
-    if not low_watermark <= high_watermark:
-        raise ChmError(errno.EINVAL, f"low_watermark {low_watermark} must be <= high_watermark {high_watermark}")
-    if placement not in PLACEMENTS:
-        raise ChmError(errno.EINVAL, f"placement {placement!r} must be one of {', '.join(PLACEMENTS)}")
-    master.snapshot_every = _check_int(snapshot_every, "snapshot_every", 1, 1 << 40)
-    master.high_watermark, master.low_watermark = float(high_watermark), float(low_watermark)
-    master.placement = placement
+def _check_request_id(request_id, optional: bool = False) -> str | None:
+    """A request's id: a str of 1 to MAX_REQUEST_ID characters (``optional``: or None)."""
+    if optional and request_id is None:
+        return None
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_REQUEST_ID:
+        raise check.fail("request_id", request_id, f"{'none or ' if optional else ''}a str of 1 to {MAX_REQUEST_ID} "
+                                                    "characters")
+    return request_id
 
 
 def check_registration(node, endpoint, devices) -> tuple[int, list[DeviceInfo]]:
     """``register_node``'s arguments checked (EINVAL naming the field): the node and its devices as DeviceInfo."""
-    node = _check_int(node, "node", 0, MAX_NODE)
-    if not isinstance(endpoint, str) or len(endpoint) > 1024:
-        raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a string of at most 1024 characters")
-    devices = _check_list(devices, "devices")
-    try:
-        devices = to(list[DeviceInfo], devices)
-    except msgspec.ValidationError as exc:
-        raise ChmError(errno.EINVAL, f"devices: {exc}") from None
-    if not devices:
-        raise ChmError(errno.EINVAL, f"node {node}: devices is empty; a node needs at least one device")
+    node = check.int("node", node, 0, MAX_NODE)
+    check.text("endpoint", endpoint, 0, MAX_ENDPOINT)
+    devices = check.convert(check.items("devices", devices, 1, MAX_BATCH), list[DeviceInfo], "devices")
     seen = set()
     for i, d in enumerate(devices):
-        _check_int(d.device, f"devices[{i}].device", 0, MAX_DEVICE)
-        _check_int(d.capacity_bytes, f"devices[{i}].capacity_bytes", 1, (1 << 63) - 1)
-        _check_int(d.epoch, f"devices[{i}].epoch", 0, (1 << 64) - 1)
+        check.int(f"devices[{i}].device", d.device, 0, MAX_DEVICE)
+        check.int(f"devices[{i}].capacity_bytes", d.capacity_bytes, 1, (1 << 63) - 1)
+        check.int(f"devices[{i}].epoch", d.epoch, 0, (1 << 64) - 1)
         if d.device in seen:
-            raise ChmError(errno.EINVAL, f"devices[{i}].device {d.device} appears twice")
+            raise check.error(f"devices[{i}].device {d.device} appears twice")
         seen.add(d.device)
     return node, devices

@@ -29,7 +29,8 @@ from driver.native import load_or_build
 
 from . import native_master_build as _build
 from .clock import Clock
-from .checks import MAX_LENGTH, _check_int, _check_keys, _check_list, _check_versions, check_registration, set_options
+from .checks import (MAX_LENGTH, _check_int, _check_keys, _check_per_key, _check_request_id, _check_versions,
+                     check_registration, set_options)
 from .messages import BlockLoc, DeviceInfo, WriteLoc
 
 _COUNTERS = ("lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "put_blocks", "registered_blocks",
@@ -57,8 +58,9 @@ class NativeMaster:
                  mutation: str | None = None):
         if state_dir is not None:
             raise ChmError(errno.EINVAL, "the native replay index keeps no state dir (state_dir must be None)")
-        set_options(self, lease_s, lease_max_s, put_timeout_s, high_watermark, low_watermark, placement,
-                    snapshot_every)  # Master.__init__'s checks
+        set_options(self, lease_s=lease_s, lease_max_s=lease_max_s, put_timeout_s=put_timeout_s,  # Master's checks
+                    high_watermark=high_watermark, low_watermark=low_watermark, placement=placement,
+                    snapshot_every=snapshot_every)
         self.clock, self.log = clock, log or (lambda msg: None)
         self.state_dir = None
         module = load_module(mutation)
@@ -167,12 +169,9 @@ class NativeMaster:
                                                                        unpack(self._versions, n))]
 
     def _put_start(self, request_id, keys, sizes) -> tuple[list[bytes], list[int]]:
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
-            raise ChmError(errno.EINVAL, f"request_id {request_id!r} must be a string of 1..256 characters")
+        _check_request_id(request_id)
         keys = _check_keys(keys)
-        sizes = _check_list(sizes, "sizes")
-        if len(sizes) != len(keys):
-            raise ChmError(errno.EINVAL, f"sizes has {len(sizes)} items for {len(keys)} keys")
+        sizes = _check_per_key(sizes, "sizes", len(keys))
         if not _plain_ints(sizes, 1, MAX_LENGTH):  # else Master's check, with its message
             sizes = [_check_int(s, f"sizes[{i}]", 1, MAX_LENGTH) for i, s in enumerate(sizes)]
         n = len(keys)
@@ -197,9 +196,7 @@ class NativeMaster:
     def put_end(self, keys: list, checksums: list, versions: list | None = None) -> int:
         """Master.put_end."""
         keys = _check_keys(keys)
-        checksums = _check_list(checksums, "checksums")
-        if len(checksums) != len(keys):
-            raise ChmError(errno.EINVAL, f"checksums has {len(checksums)} items for {len(keys)} keys")
+        checksums = _check_per_key(checksums, "checksums", len(keys))
         if not _plain_ints(checksums, 0, (1 << 64) - 1):
             checksums = [_check_int(c, f"checksums[{i}]", 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
         vers = self._versions_arg(versions, len(keys))

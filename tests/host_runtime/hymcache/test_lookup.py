@@ -16,7 +16,7 @@ from driver.errors import ChmError
 from host_runtime.hymcache.clock import ManualClock, WallClock
 from host_runtime.hymcache.lookup import Lookup
 from host_runtime.hymcache.manager import KVManager, ManagerClient, serve_manager
-from host_runtime.hymcache.master import MasterClient
+from host_runtime.hymcache.master import MasterClient, master_options, start_master
 from host_runtime.hymcache.messages import KEY_BYTES, BlockLoc
 from tests.host_runtime.hymcache.test_manager import BLOCK, PAGE, store
 
@@ -285,14 +285,13 @@ def test_inputs_are_checked_and_named():
         assert e.value.errno == errno.EEXIST
 
 
-# ---- the real pieces: a Master process, two nodes' Managers, over ZeroMQ ---------------------------
+# ---- the real pieces: a served Master (start_master, in process), two nodes' Managers, over ZeroMQ ------------
 @pytest.fixture
 def two_nodes(tmp_path):
     from tests.emulator.serve.serving import Server
-    from tests.host_runtime.hymcache.test_manager import spawn
 
-    master_proc, master_ep = spawn(["-m", "host_runtime.hymcache.master", "--endpoint", "tcp://127.0.0.1:0"],
-                                   "master: serving on")
+    master = start_master(master_options(endpoint="tcp://127.0.0.1:0")).serve_in_thread()
+    master_ep = master.endpoint
     servers, managers, threads = [], [], []
     try:
         for node in (0, 1):
@@ -313,10 +312,7 @@ def two_nodes(tmp_path):
             mgr.master.close()
         for srv in servers:
             srv.stop()
-        master_proc.terminate()
-        master_proc.wait(30)
-        master_proc.stdout.close()
-        master_proc.stderr.close()
+        master.close()
 
 
 def test_lookup_hints_each_node_and_the_managers_stage_the_blocks(two_nodes):

@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import errno
 import os
-import select
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from driver.errors import ChmError
 from host_runtime.hymcache.clock import ManualClock
-from host_runtime.hymcache.master import (ENTRY_DTYPE, MASTER_METHODS, Master, MasterClient, measure_bytes_per_entry,
-                                          serve_master)
+from bench.master_footprint import measure_bytes_per_entry
+from host_runtime.hymcache.master import ENTRY_DTYPE, MASTER_METHODS, Master, MasterClient, master_options, start_master
 from host_runtime.hymcache.messages import BlockLoc, DeviceInfo, WriteLoc
 from host_runtime.hymcache.rpc import RemoteError
 
-ROOT = Path(__file__).resolve().parents[3]
+from .procs import kill9, master_proc, stop_proc
+
 DAY = 86_400.0
 
 
@@ -348,23 +344,30 @@ def test_a_device_with_a_new_epoch_loses_its_blocks():
 
 # ---------------------------------------------------------------- validation
 
+OUTSIDE = "is outside the allowed range:"  # common.checks' one wording: field, value, allowed range
+U32, U64 = "an integer in [1, 4294967295]", "an integer in [0, 18446744073709551615]"
+
+
 @pytest.mark.parametrize("call, err, names", [
-    (lambda m: m.lookup([b"short"]), errno.EINVAL, "keys[0] is 5 bytes"),
-    (lambda m: m.lookup("abc"), errno.EINVAL, "keys must be a list"),
-    (lambda m: m.lookup([key(0), 5]), errno.EINVAL, "keys[1] must be 16 bytes"),
-    (lambda m: m.put_start("r", [key(0)], [0]), errno.EINVAL, "sizes[0] 0 out of range [1, 4294967295]"),
-    (lambda m: m.put_start("r", [key(0)], [2**32]), errno.EINVAL, "sizes[0] 4294967296"),
+    (lambda m: m.lookup([b"short"]), errno.EINVAL, "keys[0] must be 16 bytes, got 5 bytes"),
+    (lambda m: m.lookup("abc"), errno.EINVAL, "keys must be a list of 0 to 65536 items, got 'abc'"),
+    (lambda m: m.lookup([key(0), 5]), errno.EINVAL, "keys[1] must be 16 bytes, got int"),
+    (lambda m: m.put_start("r", [key(0)], [0]), errno.EINVAL, f"sizes[0] 0 {OUTSIDE} {U32}"),
+    (lambda m: m.put_start("r", [key(0)], [2**32]), errno.EINVAL, f"sizes[0] 4294967296 {OUTSIDE} {U32}"),
     (lambda m: m.put_start("r", [key(0)], [1, 2]), errno.EINVAL, "sizes has 2 items for 1 keys"),
-    (lambda m: m.put_start("", [key(0)], [1]), errno.EINVAL, "request_id ''"),
+    (lambda m: m.put_start("", [key(0)], [1]), errno.EINVAL, f"request_id '' {OUTSIDE} a str of 1 to 256 characters"),
     (lambda m: m.put_start("r", [key(0)], [5000]), errno.ENOSPC, "5000 bytes exceed device 0 of node 0"),
-    (lambda m: m.put_end([key(0)], [-1]), errno.EINVAL, "checksums[0] -1 out of range [0, 18446744073709551615]"),
-    (lambda m: m.put_end([key(0)], [2**64]), errno.EINVAL, "checksums[0] 18446744073709551616"),
-    (lambda m: m.put_end([key(0)], [True]), errno.EINVAL, "checksums[0] True"),
-    (lambda m: m.register_node(70000, "e", [DeviceInfo(0, "p", 1, 1)]), errno.EINVAL, "node 70000 out of range"),
-    (lambda m: m.register_node(1, "e", [DeviceInfo(256, "p", 1, 1)]), errno.EINVAL, "devices[0].device 256"),
-    (lambda m: m.register_node(1, "e", [DeviceInfo(0, "p", 0, 1)]), errno.EINVAL, "devices[0].capacity_bytes 0"),
+    (lambda m: m.put_end([key(0)], [-1]), errno.EINVAL, f"checksums[0] -1 {OUTSIDE} {U64}"),
+    (lambda m: m.put_end([key(0)], [2**64]), errno.EINVAL, f"checksums[0] 18446744073709551616 {OUTSIDE} {U64}"),
+    (lambda m: m.put_end([key(0)], [True]), errno.EINVAL, f"checksums[0] True {OUTSIDE} {U64}"),
+    (lambda m: m.register_node(70000, "e", [DeviceInfo(0, "p", 1, 1)]), errno.EINVAL,
+     f"node 70000 {OUTSIDE} an integer in [0, 65535]"),
+    (lambda m: m.register_node(1, "e", [DeviceInfo(256, "p", 1, 1)]), errno.EINVAL,
+     f"devices[0].device 256 {OUTSIDE} an integer in [0, 255]"),
+    (lambda m: m.register_node(1, "e", [DeviceInfo(0, "p", 0, 1)]), errno.EINVAL,
+     f"devices[0].capacity_bytes 0 {OUTSIDE} an integer in [1, 9223372036854775807]"),
     (lambda m: m.register_node(1, "e", [DeviceInfo(0, "p", 1, 1)] * 2), errno.EINVAL, "devices[1].device 0 appears"),
-    (lambda m: m.register_node(1, "e", []), errno.EINVAL, "devices is empty"),
+    (lambda m: m.register_node(1, "e", []), errno.EINVAL, "devices must be a list of 1 to 65536 items, got 0 items"),
     (lambda m: m._device(0, 9), errno.ENOENT, "device 9 of node 0 is not registered"),
     (lambda m: m._device(4, 0), errno.ENOENT, "node 4 is not registered"),
 ])
@@ -376,9 +379,12 @@ def test_bad_input_is_refused_naming_field_value_and_range(call, err, names):
 
 
 @pytest.mark.parametrize("kw, names", [
-    ({"lease_s": 0}, "lease_s 0"), ({"lease_s": 20, "lease_max_s": 10}, "lease_max_s 10"),
-    ({"put_timeout_s": float("nan")}, "put_timeout_s nan"), ({"high_watermark": 1.5}, "high_watermark 1.5"),
-    ({"low_watermark": 0.95}, "low_watermark 0.95 must be <="), ({"placement": "random"}, "placement 'random'"),
+    ({"lease_s": 0}, f"lease_s 0 {OUTSIDE} a number in (0, 86400]"),
+    ({"lease_s": 20, "lease_max_s": 10}, f"lease_max_s 10 {OUTSIDE} a number >= lease_s 20"),
+    ({"put_timeout_s": float("nan")}, f"put_timeout_s nan {OUTSIDE} a number in (0, 86400]"),
+    ({"high_watermark": 1.5}, f"high_watermark 1.5 {OUTSIDE} a number in (0, 1]"),
+    ({"low_watermark": 0.95}, f"low_watermark 0.95 {OUTSIDE} a number <= high_watermark 0.9"),
+    ({"placement": "random"}, f"placement 'random' {OUTSIDE} one of load_aware, round_robin"),
 ])
 def test_bad_settings_are_refused(kw, names):
     with pytest.raises(ChmError) as exc:
@@ -482,13 +488,13 @@ def test_put_starts_in_flight_do_not_survive_and_their_space_is_freed(tmp_path):
 
 
 def test_put_end_returns_only_after_its_records_are_fsynced(tmp_path, monkeypatch):
-    import host_runtime.hymcache.master as master_module
+    import host_runtime.hymcache.journal as journal_module  # the journal's writes and fsyncs
     m = make(state_dir=tmp_path)
     journal = next(p for p in tmp_path.iterdir() if p.name.startswith("journal-"))
     synced_sizes = []
     real_fsync = os.fsync
-    monkeypatch.setattr(master_module.os, "fsync", lambda fd: (synced_sizes.append(os.fstat(fd).st_size),
-                                                               real_fsync(fd)))
+    monkeypatch.setattr(journal_module.os, "fsync", lambda fd: (synced_sizes.append(os.fstat(fd).st_size),
+                                                                real_fsync(fd)))
     m.put_start("r", [key(0)], [100])
     m.put_end([key(0)], [7])
     assert synced_sizes and synced_sizes[-1] == journal.stat().st_size > 0  # everything written is on disk
@@ -535,27 +541,17 @@ def test_a_second_master_on_the_same_state_dir_is_refused(tmp_path):
 # ---------------------------------------------------------------- as a process over ZeroMQ
 
 class MasterProcess:
+    """``chm hymcache master`` as its own process (a SIGKILL needs one), on a free port."""
+
     def __init__(self, state_dir, *args):
-        self.proc = subprocess.Popen([sys.executable, "-m", "host_runtime.hymcache.master", "--state-dir",
-                                      str(state_dir), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
-        line = self.proc.stdout.readline() if ready else ""
-        assert line.startswith("master: serving on "), (line, self.proc.poll())
-        self.endpoint = line.split()[-1]
+        self.proc, info = master_proc(None, *args, state_dir=state_dir)
+        self.endpoint = info["endpoint"]
 
     def kill9(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
+        kill9(self.proc)
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(30)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        return rc
+        return stop_proc(self.proc)[0]
 
 
 def test_a_master_killed_with_sigkill_answers_every_registered_block_after_restart(tmp_path):
@@ -582,7 +578,7 @@ def test_a_master_killed_with_sigkill_answers_every_registered_block_after_resta
             assert c.nodes()[0]["devices"][1] == DeviceInfo(1, "/dev/shm/d1", 1 << 30, 3)
             with pytest.raises(RemoteError) as exc:                  # a bad call: the server answers, names it
                 c.lookup([b"x" * 15])
-            assert exc.value.errno == errno.EINVAL and "keys[0] is 15 bytes" in str(exc.value)
+            assert exc.value.errno == errno.EINVAL and "keys[0] must be 16 bytes, got 15 bytes" in str(exc.value)
             assert c.stats()["entries"] == 36
         assert proc.stop() == 0
     finally:
@@ -591,13 +587,11 @@ def test_a_master_killed_with_sigkill_answers_every_registered_block_after_resta
 
 
 def test_served_methods_answer_typed_over_zeromq():
-    import threading
-    m = make(capacity=10_000)
-    server = serve_master(m, "tcp://127.0.0.1:0")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with MasterClient(server.endpoint, timeout_s=10) as c:
+    with start_master(master_options(endpoint="tcp://127.0.0.1:0"), clock=ManualClock()) as running:
+        m = running.master
+        m.register_node(0, "tcp://node0", [DeviceInfo(0, "/dev/shm/n0d0", 10_000, 7)])
+        running.serve_in_thread()
+        with MasterClient(running.endpoint, timeout_s=10) as c:
             locs = c.put_start("r", [key(0), key(1)], [10, 20])
             assert locs == [WriteLoc(key(0), 0, 0, 0, 10, 1), WriteLoc(key(1), 0, 0, 10, 20, 2)]
             assert c.put_start("r", [key(0)], [10]) == [None]
@@ -607,6 +601,3 @@ def test_served_methods_answer_typed_over_zeromq():
             assert c.stats()["registered_blocks"] == 2
         assert set(MASTER_METHODS) == {"register_node", "nodes", "lookup", "put_start", "put_end", "put_revoke",
                                        "remove", "stats"}
-    finally:
-        server.stop()
-        thread.join(10)
