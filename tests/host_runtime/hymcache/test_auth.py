@@ -20,7 +20,7 @@ from driver.errors import ChmError
 from host_runtime.hymcache import auth
 from host_runtime.hymcache.clock import ManualClock, WallClock
 from host_runtime.hymcache.manager import KVManager, ManagerClient, serve_manager
-from host_runtime.hymcache.master import Master, MasterClient, serve_master
+from host_runtime.hymcache.master import Master, MasterClient, master_options, start_master
 from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
 from host_runtime.hymcache.rpc import RpcClient, RpcServer, RpcTimeout, make_curve_keys
 from tests.emulator.serve.serving import ROOT, Server
@@ -58,12 +58,9 @@ def key(keys: str, name: str) -> str:
 
 @pytest.fixture
 def master_served(keys):
-    master = Master(WallClock())
-    server = serve_master(master, "tcp://127.0.0.1:0", curve_keys=keys)
-    stop = serving(server)
-    yield master, server.endpoint
-    stop()
-    master.close()
+    with start_master(master_options(endpoint="tcp://127.0.0.1:0", curve_keys=keys)) as running:
+        running.serve_in_thread()
+        yield running.master, running.endpoint
 
 
 def refused(call, words: str) -> ChmError:
@@ -276,8 +273,8 @@ def test_secrets_are_0600_and_a_service_refuses_a_readable_one(keys, tmp_path):
         assert stat.S_IMODE(os.stat(os.path.join(keys, name)).st_mode) == 0o600, name
     for name, mode, start in (("server.key_secret", 0o644, lambda: RpcServer(Target(), ["ping"], "tcp://127.0.0.1:0",
                                                                               curve_keys=keys)),
-                              (auth.LEASE_SECRET, 0o640, lambda: serve_master(Master(ManualClock()),
-                                                                              "tcp://127.0.0.1:0", curve_keys=keys)),
+                              (auth.LEASE_SECRET, 0o640, lambda: start_master(master_options(curve_keys=keys),
+                                                                              clock=ManualClock())),
                               ("a-worker.key_secret", 0o604, lambda: RpcClient("tcp://127.0.0.1:1", 1,
                                                                                curve_keys=key(keys, "a-worker")))):
         path = os.path.join(keys, name)
