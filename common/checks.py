@@ -27,6 +27,7 @@ T = TypeVar("T")
 _short = reprlib.Repr()
 _short.maxstring = 60
 _short.maxother = 60
+_short.maxlong = 160  # an integer is quoted whole (a 2**512 key is 155 digits): a cut number misleads
 
 
 def shown(value: Any) -> str:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import errno
 import json
 import math
-import numbers
 import operator
 import os
 import resource
 from pathlib import Path
 
+from common.checks import Checks
 from driver.errors import ChmError, WriteBufferFull
 from driver.native import load_or_build
 from driver.wire import lib as wire
@@ -51,28 +51,28 @@ def _raise(ret: int, what: str, written: int = 0):
     raise ChmError(err, message)
 
 
+_EINVAL = Checks(lambda message: ChmError(errno.EINVAL, message))
+_ERANGE = Checks(lambda message: ChmError(errno.ERANGE, message))  # an integer past the device's capacity
+
+
 def _integer(name: str, value) -> int:
     """``value`` as an int (operator.index: no floats, no bools), else EINVAL naming it."""
-    if isinstance(value, bool):
-        raise ChmError(errno.EINVAL, f"{name} {value!r} must be an integer, not a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ChmError(errno.EINVAL, f"{name} {value!r} must be an integer, not {type(value).__name__}") from None
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise _EINVAL.fail(name, value, f"an integer, not a {type(value).__name__}")
 
 
 def _in_range(name: str, value, low: int, high: int, err: int = errno.EINVAL) -> int:
-    v = _integer(name, value)
-    if not low <= v <= high:
-        raise ChmError(err, f"{name} {v} is outside the allowed range [{low}, {high}]")
-    return v
+    checks = _ERANGE if err == errno.ERANGE else _EINVAL
+    return checks.int(name, _integer(name, value), low, high)  # not an integer at all: EINVAL whatever ``err``
 
 
 def _real(name: str, value) -> float:
     """``value`` as a float (any real number but a bool), else EINVAL naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ChmError(errno.EINVAL, f"{name} {value!r} must be a number, not {type(value).__name__}")
-    return float(value)
+    return _EINVAL.number(name, value)
 
 
 def _buffer(name: str, obj, writable: bool = False):
