@@ -29,7 +29,8 @@ static void check_table(const struct chm_ft *ft, const char *name, long step, in
         FAIL("%s, step %ld: status %d", name, step, rc);
     int line = chm_ft_check(ft);
     if (line)
-        FAIL("%s, step %ld: the invariant at chm_core.c line %d is broken", name, step, line);
+        FAIL("%s, step %ld: the invariant at line %d (emulator/native/frame_table.c or the policy's policy_*.c) "
+             "is broken", name, step, line);
 }
 
 /* The caller's victim for an external policy: an unpinned way of the page's set, from a random start. */

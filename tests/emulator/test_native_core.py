@@ -1,4 +1,4 @@
-"""The native core (emulator/native/chm_core.c) decides as the Python implementations it replaced
+"""The native core (emulator/native/*.c) decides as the Python implementations it replaced
 (reference_models.py): random operation sequences, pins included, drive both and every answer and the
 whole frame state are compared after each step. Also: the batch entry points against the per-access
 calls, the plug-in path, the op table of a policy on its own, the prefetch engine, write admission, and
@@ -309,6 +309,13 @@ def test_the_loaded_core_is_built_from_the_current_sources():
     assert native.lib.chm_core_mutation() == native.lib.CHM_MUTATION_NONE
 
 
+def test_the_unity_shim_the_replay_compiles_is_current():
+    """host_runtime/replay compiles the core as one file (chm_core.c): it must include every source and name
+    their digest, so its module is rebuilt with theirs (`python -m emulator.native` rewrites it)."""
+    assert native_build.UNITY_SHIM.read_text() == native_build.unity_shim(), "run: python -m emulator.native"
+    assert len(native_build.SOURCES) > 1 and native_build.HEADER in native_build.DIGESTED
+
+
 # ---- the prefetch engine and write admission -----------------------------------------------------
 
 def outcome(call, *args):
@@ -387,8 +394,8 @@ def test_the_core_survives_random_operations_under_asan_and_ubsan(tmp_path):
     warnings = [flag for flag in native_build.CFLAGS if flag.startswith("-W")]
     build = subprocess.run([cc, "-std=c11", "-O1", "-g", *warnings, "-fsanitize=address,undefined",
                             "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", f"-I{native_build.NATIVE}",
-                            str(Path(__file__).with_name("native_core_stress.c")), str(native_build.SOURCE),
-                            "-o", str(exe)], capture_output=True, text=True)
+                            str(Path(__file__).with_name("native_core_stress.c")),
+                            *map(str, native_build.SOURCES), "-o", str(exe)], capture_output=True, text=True)
     if build.returncode and "cannot find" in build.stderr and "san" in build.stderr:
         pytest.skip(f"the sanitizer runtimes are not installed: {build.stderr.strip()}")
     assert build.returncode == 0, build.stderr
