@@ -1,4 +1,4 @@
-"""The native core (``chm_core.h``/``chm_core.c`` here, through cffi): ``ffi`` and ``lib``.
+"""The native core (``chm_core.h`` and the sources here, through cffi): ``ffi`` and ``lib``.
 
 Built by ``make`` (``python -m emulator.native``, see ``emulator/native_build.py``);
 a process that finds the module for the current sources missing builds it

@@ -9,8 +9,11 @@
  *      declaration below; emulator/native_build.py compiles every *.c here;
  *   3. emulator/policies/foo.py: a NativeOrder subclass with `kind = lib.CHM_POLICY_FOO`, registered
  *      (emulator/policies/sieve.py is the model);
- *   4. one test, tests/emulator/test_policy_foo.py, holding it to its reference (libCacheSim's
- *      algorithm, as test_policy_libcachesim.py does for the others).
+ *   4. one test: its entry in CASES of tests/emulator/test_policy_eviction.py (libCacheSim's cache of the
+ *      same algorithm), which runs every test there on it: hits and victims against libCacheSim,
+ *      to_evict, pinned pages, invalidation.
+ * Then chm_ft_check (tests/emulator/native_core_stress.c under ASan) and the DRAM-hit read take it as they
+ * are; the native sequential path takes the built-in classes only (controller._policy_runs_sequentially).
  */
 #ifndef CHM_POLICY_H
 #define CHM_POLICY_H

@@ -12,7 +12,7 @@ class ClockOrder(NativeOrder):
     hit adds 1 up to ``2**n_bit_counter - 1``. The hand looks at the tail: a page with a nonzero counter
     loses 1 and goes to the head, the first page at 0 is the victim. Pinned pages are passed over like
     a hand passes a page it may not take: they go to the head with their counter unchanged. Runs in the
-    native core (``CHM_POLICY_CLOCK``)."""
+    native core (``CHM_POLICY_CLOCK``, emulator/native/policy_clock.c)."""
 
     kind = lib.CHM_POLICY_CLOCK
     config_fields = (param("n_bit_counter", int, 1, 8, default=1,

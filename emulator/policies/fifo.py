@@ -9,7 +9,8 @@ from . import register
 
 class FifoOrder(NativeOrder):
     """First in, first out: a hit changes nothing. Pinned pages are skipped where they stand (they keep
-    their place, and go first once unpinned). Runs in the native core (``CHM_POLICY_FIFO``)."""
+    their place, and go first once unpinned). Runs in the native core (``CHM_POLICY_FIFO``,
+    emulator/native/policy_fifo.c)."""
 
     kind = lib.CHM_POLICY_FIFO
 

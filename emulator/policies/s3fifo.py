@@ -21,8 +21,8 @@ class S3FifoOrder(NativeOrder):
 
     Pinned pages are passed over: they go to the head of the queue they are in, counter unchanged. When
     every page left in the chosen queue is pinned, the victim comes from the other queue. Runs in the
-    native core (``CHM_POLICY_S3FIFO``), which derives the queue sizes (``small_capacity``,
-    ``main_capacity``, ``ghost_capacity``: libCacheSim's integer parts)."""
+    native core (``CHM_POLICY_S3FIFO``, emulator/native/policy_s3fifo.c), which derives the queue sizes
+    (``small_capacity``, ``main_capacity``, ``ghost_capacity``: libCacheSim's integer parts)."""
 
     kind = lib.CHM_POLICY_S3FIFO
     config_fields = (

@@ -11,7 +11,8 @@ class SieveOrder(NativeOrder):
     """SIEVE as libCacheSim's ``Sieve``: a queue with new pages at the head, a visited bit per page (set by a
     hit), and a hand that moves from the tail towards the head (wrapping to the tail), clearing visited
     bits, and evicts the first page not visited; the next eviction starts where the hand stopped.
-    Pinned pages are passed over and keep their bit. Runs in the native core (``CHM_POLICY_SIEVE``)."""
+    Pinned pages are passed over and keep their bit. Runs in the native core (``CHM_POLICY_SIEVE``,
+    emulator/native/policy_sieve.c)."""
 
     kind = lib.CHM_POLICY_SIEVE
 

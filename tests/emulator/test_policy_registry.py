@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from emulator import ConfigError, Device, load_profile
+from emulator import ConfigError, Device, load_profile, native_build
 from emulator.config import FIELDS_BY_KEY
 from emulator.policies import (CachePolicy, EvictionPolicy, Policy, available, make_policy, name_problem, param,
                                policy_class, register, unregister)
@@ -231,3 +231,10 @@ def test_a_policy_class_that_is_not_a_cache_runs_as_given():
 
 def test_eviction_policy_is_the_frame_tables_op_table():
     assert issubclass(policy_class("lru").eviction, EvictionPolicy)
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_each_native_cache_policy_is_its_c_file_behind_the_cores_policy_table(name):
+    order = policy_class(name).eviction
+    assert order.runs_natively() and (native_build.NATIVE / f"policy_{name}.c").is_file()
+    assert order(32).info() is not None  # chm_policy_info finds its kind in policy.c's table
