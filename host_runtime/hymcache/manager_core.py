@@ -14,9 +14,9 @@ from host_runtime.hymcache.clock import Clock
 from host_runtime.hymcache.confirmer import _Confirmer
 from host_runtime.hymcache.manager_blocks import BlockPath
 from host_runtime.hymcache.manager_hints import HintPath
-from host_runtime.hymcache.manager_state import (ISSUED, LOOKUP_BATCH, MAX_NODE, REOPEN_INTERVAL_S,
-                                                 REQUEST_TIMEOUT_S, STAGED, FAILED, _check_int, _check_seconds,
-                                                 _node_id, _Request, node_path)
+from host_runtime.hymcache.manager_state import (FAILED, ISSUED, LOOKUP_BATCH, MAX_NODE, MAX_WINDOW_BYTES,
+                                                 REOPEN_INTERVAL_S, REQUEST_TIMEOUT_S, STAGED, _check_int,
+                                                 _check_seconds, _node_id, _Request, node_path)
 from host_runtime.hymcache.messages import DeviceInfo
 from host_runtime.hymcache.window import WINDOW_BYTES
 
@@ -37,7 +37,7 @@ class KVManager(HintPath, BlockPath):
                 or not all(isinstance(d, str) and d for d in device_nodes)):
             raise ChmError(errno.EINVAL, f"device_nodes {device_nodes!r} must be a non-empty list of chm serve "
                                          "node names or paths")
-        self.window_bytes = _check_int("window_bytes", window_bytes, 1, 1 << 40)
+        self.window_bytes = _check_int("window_bytes", window_bytes, 1, MAX_WINDOW_BYTES)
         self.request_timeout_s = _check_seconds("request_timeout_s", request_timeout_s, allow_zero=False)
         self.batch = _check_int("batch", batch, 1, LOOKUP_BATCH)
         if not isinstance(endpoint, str):

@@ -15,7 +15,7 @@ from host_runtime.hymcache.clock import Clock, WallClock
 from host_runtime.hymcache.commands.common import PORT_MAX, _bind, _serve_until_signal
 from host_runtime.hymcache.manager_core import KVManager
 from host_runtime.hymcache.manager_server import ManagerServer, serve_manager
-from host_runtime.hymcache.manager_state import MAX_NODE, REQUEST_TIMEOUT_S, check
+from host_runtime.hymcache.manager_state import MAX_NODE, MAX_WINDOW_BYTES, REQUEST_TIMEOUT_S, check
 from host_runtime.hymcache.window import WINDOW_BYTES
 
 MASTER_TIMEOUT_S = 10.0  # calls to the Master (the CLI's --timeout)
@@ -29,7 +29,7 @@ class ManagerOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     master: str = ""                        # the Master's address; "" with an in-process master (start_manager)
     endpoint: str = "tcp://127.0.0.1:0"     # where it binds (port 0: a free one)
     advertise: str | None = None            # the host the Master and workers reach it at (default: as bound)
-    window_bytes: Annotated[int, Meta(ge=1, le=1 << 40)] = WINDOW_BYTES
+    window_bytes: Annotated[int, Meta(ge=1, le=MAX_WINDOW_BYTES)] = WINDOW_BYTES
     request_timeout_s: Annotated[float, Meta(gt=0)] = REQUEST_TIMEOUT_S
     master_timeout_s: Annotated[float, Meta(gt=0)] = MASTER_TIMEOUT_S
     curve_keys: str | None = None           # a key directory: CurveZMQ both ways

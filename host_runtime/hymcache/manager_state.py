@@ -19,6 +19,7 @@ WAIT_STEP_S = 0.002            # how often a blocked acquire looks again (a poll
 LOOK_STEP_S = 200e-6           # ... at a block whose SSD reads are in flight (the served Manager's held calls too)
 REOPEN_INTERVAL_S = 1.0        # per device: reopen a gone one / look whether a live one was restarted
 MAX_NODE = 2**31 - 1
+MAX_WINDOW_BYTES = 1 << 40       # a request's prefetch window, at most (1 TiB)
 MAX_U64 = (1 << 64) - 1        # MessagePack's uint: offsets, lengths, checksums, versions
 
 check = Checks(lambda message: ChmError(errno.EINVAL, message))
