@@ -3,7 +3,8 @@ header, the module's name carrying a digest of its sources and flags, so a proce
 from other sources and a changed source builds a new one on first import):
 
 * ``TRACE_READER``: the trace reader, ``native/trace_reader.{h,c}`` (``native_reader.py``);
-* ``REPLAY_LOOP``: the request loop, ``native/replay_loop.{h,c}`` (``native_replay.py``). It calls the device core
+* ``REPLAY_LOOP``: the request loop, ``native/replay_loop.h`` (the cdef) and ``LOOP_SOURCES`` behind the private
+  ``native/replay_loop_internal.h`` (``native_replay.py``). It calls the device core
   (``emulator/native/chm_core.c``) and the Master table (``host_runtime/hymcache/native/master_table.c``) on the
   structs the emulator's and the Master's own modules made, so it is compiled with their sources and their flags
   (``-ffp-contract=off``: the timing model's doubles round as emulator/timing.py's do).
@@ -29,11 +30,13 @@ TRACE_READER = ApiModule(
     "host_runtime.replay", "trace_reader", HERE, NATIVE / "trace_reader.h", (NATIVE / "trace_reader.c",),
     (NATIVE / "trace_reader.h", NATIVE / "trace_reader.c", NATIVE / "xxh3.h"), (NATIVE,), CFLAGS, LOCK)
 
+# The loop's own files: its calls and streams (feed), the heap and a request's steps (loop), the rows (results).
+LOOP_SOURCES = (NATIVE / "replay_feed.c", NATIVE / "replay_loop.c", NATIVE / "replay_results.c")
 REPLAY_LOOP = ApiModule(
     "host_runtime.replay", "replay_loop", HERE, NATIVE / "replay_loop.h",
-    (NATIVE / "replay_loop.c", CORE / "chm_core.c", MASTER / "master_table.c"),
-    (NATIVE / "replay_loop.h", NATIVE / "replay_loop.c", CORE / "chm_core.h", CORE / "chm_core.c",
-     MASTER / "master_table.h", MASTER / "master_table.c"),
+    LOOP_SOURCES + (CORE / "chm_core.c", MASTER / "master_table.c"),
+    (NATIVE / "replay_loop.h", NATIVE / "replay_loop_internal.h", *LOOP_SOURCES, CORE / "chm_core.h",
+     CORE / "chm_core.c", MASTER / "master_table.h", MASTER / "master_table.c"),
     (NATIVE, CORE, MASTER), CFLAGS + ("-ffp-contract=off",), LOCK, ("m",))
 
 MODULES = (TRACE_READER, REPLAY_LOOP)

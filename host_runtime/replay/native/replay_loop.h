@@ -20,8 +20,9 @@
  * holds only its active streams. A stream that starts before an event already run (a trace out of time order)
  * stops the feed with RP_E_UNSORTED: the caller feeds the whole phase before running it.
  *
- * Built by host_runtime/replay/replay_loop_build.py (cffi API mode, with chm_core.c and master_table.c); used
- * through host_runtime/replay/native_replay.py.
+ * Built by host_runtime/replay/native_build.py (REPLAY_LOOP: cffi API mode, replay_feed.c, replay_loop.c and
+ * replay_results.c behind replay_loop_internal.h, with chm_core.c and master_table.c); used through
+ * host_runtime/replay/native_replay.py.
  */
 #ifndef REPLAY_LOOP_H
 #define REPLAY_LOOP_H
