@@ -127,7 +127,8 @@ class MasterRecovery:
         try:
             j.open(loaded)
         except OSError as exc:
-            raise ChmError(exc.errno, f"state dir {self.state_dir}: cannot open {loaded.path}: {exc.strerror}") from None
+            raise ChmError(exc.errno, f"state dir {self.state_dir}: cannot open {loaded.path}: "
+                                      f"{exc.strerror}") from None
         # leases and put_starts in flight do not survive a restart (records: the journal may go on from here)
         now = self._now_ms()
         for row in list(self._pending):
