@@ -1,6 +1,5 @@
 """The HyMCache Master: global metadata of every stored KV block.
 
-
 The roles live beside this module, Mooncake's master_service / rpc_service / master_client split:
 
 * ``master_table.py``: the 64-byte rows (layout in its docstring), their index, leases, versions, time base;
@@ -35,14 +34,17 @@ from .checks import (MAX_BATCH, MAX_DEVICE, MAX_LENGTH, MAX_NODE, MAX_TIMEOUT_S,
                      check_registration, set_options)
 from .clock import Clock
 from .journal import Journal, _AllocRec, _CommitRec, _NodeRec
+from .master_client import MasterClient  # noqa: F401 (re-exported)
 from .master_recovery import MasterRecovery
+from .master_service import (MASTER_METHODS, MASTER_ROLES, MasterOptions, RunningMaster,  # noqa: F401 (re-exported)
+                             master_options, run_master, serve_master, start_master)
 from .master_table import (_INITIAL_ROWS, COMPLETE, DRAINING, ENTRY_DTYPE, FREE, PENDING,  # noqa: F401 (re-exported)
                            MasterTable)
 from .messages import DeviceInfo, WriteLoc
 
 
 class Master(MasterTable, MasterAllocator, MasterRecovery):
-    """Block metadata, allocation and leases; in process, or served with ``serve_master``."""
+    """Block metadata, allocation and leases; in process, or served (``start_master``)."""
 
     def __init__(self, clock: Clock, state_dir: str | None = None, *, lease_s: float = 10.0,
                  lease_max_s: float = 30.0, put_timeout_s: float = 30.0, high_watermark: float = 0.90,
@@ -357,8 +359,3 @@ class Master(MasterTable, MasterAllocator, MasterRecovery):
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-# the served Master and its client (they import this module's Master when they run)
-from .master_client import MasterClient  # noqa: E402,F401 (re-exported)
-from .master_service import (MASTER_METHODS, MASTER_ROLES, MasterOptions, RunningMaster,  # noqa: E402,F401
-                             master_options, run_master, serve_master, start_master)
