@@ -1,6 +1,6 @@
 """The KV Manager's timings, each against its bound: the per-block cost of the two read paths
 (``measure_block_paths``), and how long other callers wait while one block stages from a slow disk or the
-Master hangs (the wall-clock halves of tests/host_runtime/hymcache/test_manager.py, whose tests check the
+Master hangs (the wall-clock halves of tests/host_runtime/hymcache/test_manager*.py, whose tests check the
 same behaviour by its outcome).
 
     python -m bench bench_manager            (or: make bench)
