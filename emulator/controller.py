@@ -48,6 +48,12 @@ Outcomes. ``read``, ``write`` and ``prefetch`` return what they did (``ReadOutco
 ``PrefetchOutcome``): the finish (or acknowledgement) time and the pages they counted in ``stats``, so a
 caller never diffs ``stats`` nor looks into the policy or the prefetch engine. A refused write raises
 ``WriteBufferFull`` with ``new_pages``, the write-buffer pages it asked for.
+
+Where it lives: this module is the command layer's core (construction, the parts' state, staging, read,
+snapshot, close) and the facade every caller imports from; the rest are mixins of Controller in modules of
+their own: native_paths.py (the native paths' setup, checks and counts), sequential.py (run_sequential),
+write_path.py (write), prefetch_commands.py (prefetch, wait, release), with outcomes.py (the outcomes and
+the errors they raise).
 """
 
 from __future__ import annotations
@@ -55,209 +61,42 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from array import array
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from driver.wire import STATS_COUNTERS
 
 from .config import Config
 from .dram import NO_TOKEN, DramRegion, Frames
-from .errors import ChmError, WriteBufferFull
+from .errors import ChmError
 from .flusher import Flusher, utc
 from .media_io import MediaIO
 from .native import ffi, lib
+from .native_paths import NATIVE_READ_COUNTS, NATIVE_SEQ_COUNTS, NativePaths
+from .outcomes import (PrefetchOutcome, ReadOutcome, SequentialOutcome, Staged, UnflushedData, WriteOutcome,
+                       _all_pinned, _tuple_new)
 from .policies import make_policy
 from .prefetch import PrefetchEngine
-from .ssd import MediaIOError, SsdBackend
+from .prefetch_commands import PrefetchCommands
+from .sequential import SEQ_READ, SEQ_WRITE, SequentialOps, sequential_ops
+from .ssd import SsdBackend
 from .timing import TimingModel
+from .write_path import WritePath
+
+__all__ = ["DRAIN_TIMEOUT_S", "MAX_CHUNK_PAGES", "NATIVE_READ_COUNTS", "NATIVE_SEQ_COUNTS", "SEQ_READ", "SEQ_WRITE",
+           "UNCLEAN_SHUTDOWN_MESSAGE", "Controller", "PrefetchOutcome", "ReadOutcome", "SequentialOutcome", "Staged",
+           "UnflushedData", "WriteOutcome", "sequential_ops"]
 
 MAX_CHUNK_PAGES = 64  # a large read is staged and copied in chunks of at most this many pages
 DRAIN_TIMEOUT_S = 30.0  # default bound on close()'s drain while the media fail (chm serve --drain-timeout)
 UNCLEAN_SHUTDOWN_MESSAGE = "unclean shutdown: writes acknowledged but not flushed before it may be lost"
-# The stats the native hit read counts: struct chm_read_counts's fields, in its order.
-NATIVE_READ_COUNTS = tuple(name for name, _ in ffi.typeof("struct chm_read_counts").fields)
-_ZERO_COUNTS = memoryview(array("Q", bytes(8 * len(NATIVE_READ_COUNTS))))
-_read_hit = lib.chm_dev_read_hit
-_tuple_new = tuple.__new__  # an outcome made without NamedTuple.__new__'s Python frame: the hot path makes one per call
-
-
-def _fold_counts(stats: dict, counts: memoryview, names: tuple, zero: memoryview) -> None:
-    """Add native counters (``counts``, in the order of ``names``) to ``stats`` and zero them."""
-    values = counts.tolist()
-    if any(values):
-        for name, n in zip(names, values):
-            if n:
-                stats[name] += n
-        counts[:] = zero
-
-
-def _all_pinned(what: str, page: int) -> ChmError:
-    return ChmError(errno.EBUSY, f"no DRAM frame can be evicted to {what} page {page}: all are pinned")
-
-
-def _write_too_big(addr: int, length: int, new_pages: int, buffer_pages: int) -> ChmError:
-    return ChmError(errno.EINVAL, f"write of {length} bytes at {addr} spans {new_pages} pages, more than the whole "
-                                  f"write buffer ({buffer_pages} pages): split it")
-
-
-def _write_refused(addr: int, length: int, new_pages: int) -> WriteBufferFull:
-    return WriteBufferFull(f"write of {length} bytes at {addr} needs {new_pages} write-buffer pages; the buffer has "
-                           f"no room until a flush completes", new_pages=new_pages)
+_read_hit = lib.chm_dev_read_hit  # looked up here at each read: a test may count its calls (tests/emulator/conftest.py)
+_dev_read = lib.chm_dev_read
 
 
 def _log_to_stderr(message: str) -> None:
     print(f"chm: {message}", file=sys.stderr, flush=True)
 
 
-class ReadOutcome(NamedTuple):
-    """What a read did: when its last byte reached the host, and its pages by how DRAM held them (the
-    ``page_hits``, ``page_misses`` and ``merged_misses`` it counted). A read served by the native hit path
-    is all hits: it serves only pages resident and ready."""
-
-    finish: float
-    hit_pages: int  # resident and ready
-    missed_pages: int  # staged from the media by this read
-    merged_pages: int  # resident but still being staged (by an earlier read or prefetch): waited for
-
-
-class WriteOutcome(NamedTuple):
-    """What an accepted write did: when it finished, its pages by whether the write path already had a
-    frame for them, and the write buffer's pages in use after it (0 for a policy without one)."""
-
-    finish: float
-    new_pages: int  # needed a new frame (admitted into the write buffer, for a policy with one)
-    overwritten_pages: int  # already had a frame on the write path
-    write_buffer_pages: int
-
-
-class PrefetchOutcome(NamedTuple):
-    """What an accepted prefetch did: its handle, when the host learns it, its pages by whether it staged
-    them (``prefetch_staged_pages``) or found them resident (``prefetch_resident_pages``), and the pages
-    the device's prefetch window holds after it (``snapshot()["prefetch_pages_held"]``)."""
-
-    handle: int
-    ack: float
-    staged_pages: int
-    resident_pages: int
-    window_pages_held: int
-
-
-class SequentialOutcome(NamedTuple):
-    """What ``run_sequential`` did: when the last operation finished, the pages its writes needed a new frame
-    for (their ``WriteOutcome.new_pages``, summed: with the reads' ``page_misses``, the cache misses), and
-    how many of the operations the native path ran (the others went through read, write and flush)."""
-
-    finish: float
-    write_misses: int
-    native_ops: int
-
-
-SEQ_READ, SEQ_WRITE = lib.CHM_SEQ_READ, lib.CHM_SEQ_WRITE
-_SEQ_KINDS = {"read": SEQ_READ, "write": SEQ_WRITE, SEQ_READ: SEQ_READ, SEQ_WRITE: SEQ_WRITE}
-_SEQ_BAD_KIND = 255  # the native path stops there; the Python step says why
-# The stats the native sequential path counts besides the hit read's: struct chm_seq_counts's fields.
-NATIVE_SEQ_COUNTS = tuple(name for name, _ in ffi.typeof("struct chm_seq_counts").fields)
-_run_sequential = lib.chm_dev_run_sequential
-_dev_read, _dev_write, _dev_prefetch_fetch = lib.chm_dev_read, lib.chm_dev_write, lib.chm_dev_prefetch_fetch
-_ZERO_SEQ_COUNTS = memoryview(array("Q", bytes(8 * len(NATIVE_SEQ_COUNTS))))
-# The policy calls chm_dev_run_sequential makes itself (CachePolicy's, over its one frame table).
-_SEQ_POLICY_METHODS = ("lookup", "staged_lookup", "write_lookup", "read_copy", "page_of", "is_dirty", "touch", "pin",
-                       "unpin", "pins", "mark_dirty", "drop", "allocate_clean", "admit_writes", "allocate_write",
-                       "flushed", "flush_grant", "native_lookup_areas")
-
-
-def sequential_ops(ops) -> tuple[bytes, array, array]:
-    """``(kind, addr, length)`` operations (kind ``"read"`` or ``"write"``, as ``Replay.ops`` records them) as
-    ``run_sequential``'s three arrays."""
-    kinds = bytes(_SEQ_KINDS.get(kind, _SEQ_BAD_KIND) for kind, _, _ in ops)
-    return kinds, array("Q", [addr for _, addr, _ in ops]), array("Q", [length for _, _, length in ops])
-
-
-def _seq_buffer(values, fmt: str):
-    """``values`` as a C-contiguous buffer of ``fmt`` items (kept, or converted); None when they are not all
-    plain non-negative integers that fit (the Python calls then say what is wrong)."""
-    try:
-        view = memoryview(values)
-    except TypeError:
-        view = None
-    if view is not None and view.c_contiguous and view.ndim == 1 and view.itemsize == array(fmt).itemsize \
-            and view.format.lstrip("<=@") in ((fmt,) if fmt == "B" else (fmt, "L")):
-        return view  # unsigned: used in place
-    if fmt == "B":
-        return bytes(_SEQ_KINDS.get(kind, _SEQ_BAD_KIND) for kind in values)
-    values = view.tolist() if view is not None else values
-    if any(type(v) is not int for v in values):  # a bool or a float: check_range names it
-        return None
-    try:
-        return array(fmt, values)
-    except OverflowError:  # a negative one
-        return None
-
-
-def _policy_runs_sequentially(policy) -> bool:
-    """Is ``policy`` a built-in frame-table cache the native sequential path runs as the policy would: a
-    CachePolicy over one native table of lru, fifo, clock, s3fifo or sieve, nothing of it overridden?"""
-    from .policies.base import CachePolicy
-    from .policies.clock import ClockOrder
-    from .policies.fifo import FifoOrder
-    from .policies.lru import LruOrder
-    from .policies.s3fifo import S3FifoOrder
-    from .policies.sieve import SieveOrder
-
-    cls = type(policy)
-    if not isinstance(policy, CachePolicy) or cls.eviction not in (LruOrder, FifoOrder, ClockOrder, S3FifoOrder,
-                                                                    SieveOrder):
-        return False
-    if any(getattr(cls, name) is not getattr(CachePolicy, name) for name in _SEQ_POLICY_METHODS):
-        return False
-    table = policy.read_area.table
-    bound = {"lookup": table.lookup, "staged_lookup": table.lookup, "write_lookup": table.lookup,
-             "touch": table.touch, "pin": table.pin, "unpin": table.unpin, "mark_dirty": table.mark_dirty,
-             "allocate_clean": table.insert}  # CachePolicy._bind_fast_paths
-    if any(name in _SEQ_POLICY_METHODS and value != bound.get(name) for name, value in vars(policy).items()):
-        return False
-    return (policy.areas == [policy.read_area] and policy.native_lookup_areas() == [policy.read_area]
-            and not table.plugin and table.sets == 1 and policy.flush_pages_in_flight is None
-            and policy.write_buffer_pages == 0 and not policy.splits_dram)
-
-
-def _hymcache_runs_natively(policy) -> bool:
-    """Is ``policy`` the built-in hymcache, nothing of it replaced, over native tables (its flush rule, write
-    admission and write path are then the native core's)?"""
-    from .policies.hymcache import HymCachePolicy
-    from .write_buffer import FlushArbiter, WriteAdmission
-
-    if type(policy) is not HymCachePolicy or type(policy.arbiter) is not FlushArbiter \
-            or type(policy.admission) is not WriteAdmission:
-        return False
-    if any(callable(value) for value in vars(policy).values()):
-        return False
-    areas = policy.native_lookup_areas()
-    return (areas == [policy.write_area, policy.read_area] and policy.areas == areas[::-1]
-            and type(policy.write_area).lookup is type(policy.read_area).lookup
-            and all(type(area).insert is type(policy.read_area).insert for area in areas))
-
-
-class UnflushedData(ChmError):
-    """close() gave up draining: ``pages`` pages (``nbytes`` bytes) acknowledged but never flushed are lost;
-    ``error`` is the media error that kept them off the media."""
-
-    def __init__(self, pages: int, nbytes: int, error: ChmError):
-        super().__init__(error.errno, f"{pages} pages ({nbytes} bytes) of acknowledged writes were left unflushed "
-                                      f"(lost): {error.message}")
-        self.pages, self.nbytes, self.error = pages, nbytes, error
-
-
-@dataclass
-class Staged:
-    """What the controller keeps per prefetch handle (the engine keeps the window)."""
-
-    frames: list[int]  # pinned read frames, in page order
-    ready_at: float
-
-
-class Controller:
+class Controller(NativePaths, SequentialOps, WritePath, PrefetchCommands):
     """The command layer. It owns the policy, the timing model, the prefetch engine and the stats, and
     composes ``frames`` (``Frames``), ``media`` (``MediaIO``) and ``flusher`` (``Flusher``), which share
     the policy, the timing model and ``stats``.
@@ -339,77 +178,6 @@ class Controller:
     @property
     def events_run(self) -> int:
         return self.flusher.events_run
-
-    def _native_read_setup(self) -> None:
-        """The native DRAM-hit read's view of this controller (``native_read``, ``native_dev``)."""
-        dev = self.native_dev = ffi.new("struct chm_dev *")
-        timing, ctl, frames = self.timing, self.cfg.controller, self.frames
-        self._native_keep = [ffi.from_buffer("double[]", self.ready_at), ffi.from_buffer("int64_t[]", frames.io_token),
-                             ffi.from_buffer("int64_t[]", frames.write_seq),
-                             ffi.new("struct chm_ssd *[]", [ssd._c for ssd in timing.ssds])]
-        dev.page_size, dev.capacity = self.page, self.capacity
-        dev.cycles_per_command, dev.cycles_per_lookup = ctl.cycles_per_command, ctl.cycles_per_lookup
-        dev.ready_at, dev.io_token, dev.write_seq, dev.ssds = self._native_keep
-        dev.dram = ffi.NULL if frames.region is None else ffi.cast("uint8_t *", frames.region.base_addr)
-        dev.controller, dev.dram_pipe, dev.link_to_host = timing.controller._c, timing.dram._c, timing.link_to_host._c
-        dev.read_latency = timing.latencies.histogram("read")._c
-        # the sequential path's (run_sequential)
-        dev.cycles_per_admission, dev.stripe_bytes = ctl.cycles_per_admission, self.cfg.ssd.stripe_bytes
-        dev.n_ssds, dev.chunk_pages = len(timing.ssds), self.chunk_pages
-        dev.link_to_device, dev.write_latency = timing.link_to_device._c, timing.latencies.histogram("write")._c
-        self._seq_result = ffi.new("struct chm_seq_result *")
-        self._seq_counts = memoryview(ffi.buffer(ffi.addressof(self._seq_result, "counts"))).cast("Q")
-        areas = self.policy.native_lookup_areas() or []
-        for i, area in enumerate(areas):
-            dev.areas[i].table, dev.areas[i].base = area.table._c, area.base
-        dev.n_areas = len(areas)
-        self.native_read = bool(areas)  # DRAM-hit reads run in C
-        self._native_counts = memoryview(ffi.buffer(ffi.addressof(dev, "counts"))).cast("Q")
-        self._native_finish = ffi.new("double *")
-        # the data-off path's (module docstring, "Native data-off path")
-        self._ops = dev.ops = ffi.new("struct chm_seq_counts *")
-        self._ops_counts = memoryview(ffi.buffer(self._ops)).cast("Q")
-        self._write_result = ffi.new("struct chm_write_result *")
-        self._prefetch_result = ffi.new("struct chm_prefetch_result *")
-        self._prefetch_frames = ffi.new("uint32_t[]", 64)
-        dev.cycles_per_prefetch_page = ctl.cycles_per_prefetch_page
-        self._read_result = ffi.new("double[4]")
-
-    def _native_ops_setup(self) -> None:
-        """Hand the flusher's state to C where the native core has the policy's flush rule and write path."""
-        self._native_staging = False  # reads that stage run in C too (one area)
-        if self.native_ops_problem() is None:
-            self.flusher.go_native(self.native_dev, self._fold_ops)
-            self._native_staging = self.native_dev.n_areas == 1
-
-    def _native_parts_problem(self) -> str | None:
-        """Why no native data-off path can run on this device whatever the policy (None: one can)."""
-        if self.data:
-            return "emulation.data is on"
-        if type(self.flusher) is not Flusher or type(self.timing) is not TimingModel or self.media.backend is not None:
-            return "the flusher, the timing model or the media are not the built-in ones"
-        return None
-
-    def native_ops_problem(self) -> str | None:
-        """Why the data-off operations cannot run natively on this device (None: they can)."""
-        if (problem := self._native_parts_problem()) is not None:
-            return problem
-        if not self.native_read:
-            return f"policy {self.policy.name!r} looks pages up in Python"
-        from .policies.base import Policy
-
-        if not ((_policy_runs_sequentially(self.policy) and type(self.policy).released is Policy.released)
-                or _hymcache_runs_natively(self.policy)):
-            return f"policy {self.policy.name!r} is not a built-in frame-table cache or hymcache"
-        if type(self.engine) is not PrefetchEngine:
-            return "the prefetch engine is not the built-in one"
-        return None
-
-    def _fold_ops(self) -> None:
-        """Add what the native hit read and data-off path counted to ``stats`` (after each call: a caller may
-        hold ``stats``)."""
-        _fold_counts(self._stats, self._native_counts, NATIVE_READ_COUNTS, _ZERO_COUNTS)
-        _fold_counts(self._stats, self._ops_counts, NATIVE_SEQ_COUNTS, _ZERO_SEQ_COUNTS)
 
     # ---- helpers ---------------------------------------------------------------
     def _cycles(self, ready: float, cycles: int) -> float:
@@ -523,96 +291,6 @@ class Controller:
             self.count_command("read", finish - now)
         return _tuple_new(ReadOutcome, (finish, hits, missed, merged))
 
-    # ---- sequential operations -----------------------------------------------------------
-    def run_sequential(self, kinds, addrs, lengths, now: float = 0.0) -> SequentialOutcome:
-        """Run operations one after another (module docstring, "Native sequential path"): operation ``i`` is
-        a read (``kinds[i]`` ``"read"`` or ``SEQ_READ``) or a write and its flush (``"write"``, ``SEQ_WRITE``)
-        of ``lengths[i]`` bytes at ``addrs[i]``, starting when the one before finished (the first at ``now``).
-        The device ends as ``read``/``write``/``flush`` called in turn leave it; an operation they refuse
-        raises their error, with the ones before it done. ``sequential_ops`` makes the arrays from
-        ``(kind, addr, length)`` triples; buffers (``bytes``, ``array('Q')``) are used in place."""
-        n = len(kinds)
-        if len(addrs) != n or len(lengths) != n:
-            raise ValueError(f"{n} kinds, {len(addrs)} addresses and {len(lengths)} lengths: one of each per operation")
-        buffers = None
-        if self.native_sequential_problem() is None:
-            buffers = (_seq_buffer(kinds, "B"), _seq_buffer(addrs, "Q"), _seq_buffer(lengths, "Q"))
-            if None in buffers:
-                buffers = None
-        pointers = None
-        i, write_misses, native_ops = 0, 0, 0
-        try:
-            if buffers is not None:
-                pointers = (ffi.from_buffer("uint8_t[]", buffers[0]), ffi.from_buffer("uint64_t[]", buffers[1]),
-                            ffi.from_buffer("uint64_t[]", buffers[2]))
-            while i < n:
-                if pointers is not None and self._settled():
-                    kinds_p, addrs_p, lengths_p = pointers
-                    result = self._seq_result
-                    rc = _run_sequential(self.native_dev, kinds_p + i, addrs_p + i, lengths_p + i, n - i, now, result)
-                    self._fold_sequential(result)
-                    i += result.done
-                    native_ops += result.done
-                    write_misses += result.write_misses
-                    now = result.now
-                    if rc == lib.CHM_E_NOMEM:
-                        raise MemoryError(f"sequential operation #{i}: no memory for the native path's state")
-                    if rc not in (lib.CHM_OK, lib.CHM_E_ARG):  # CHM_E_INTERNAL: a frame could not be had
-                        raise RuntimeError(f"sequential operation #{i}: native status {rc} (every frame pinned)")
-                    if i == n:
-                        break
-                    # CHM_E_ARG: the device refuses operation i; its call below raises why
-                now, misses = self._sequential_step(kinds[i], addrs[i], lengths[i], now)
-                write_misses += misses
-                i += 1
-        finally:
-            for pointer in pointers or ():
-                ffi.release(pointer)
-        return _tuple_new(SequentialOutcome, (now, write_misses, native_ops))
-
-    def _sequential_step(self, kind, addr: int, length: int, now: float) -> tuple[float, int]:
-        """One operation of ``run_sequential`` through the calls: (its finish, its write misses)."""
-        kind = _SEQ_KINDS.get(kind, kind)
-        if kind == SEQ_READ:
-            return self.read(addr, length, now).finish, 0
-        if kind == SEQ_WRITE:
-            written = self.write(addr, None, length, now)
-            return self.flush(written.finish), written.new_pages
-        raise ValueError(f"operation kind {kind!r} is neither 'read' nor 'write'")
-
-    def native_sequential_problem(self) -> str | None:
-        """Why ``run_sequential`` cannot use the native path on this device at all (None: it can, whenever
-        the device is settled)."""
-        if (problem := self._native_parts_problem()) is not None:
-            return problem
-        if not self.native_read or not _policy_runs_sequentially(self.policy):
-            return f"policy {self.policy.name!r} is not a built-in frame-table cache without a write buffer"
-        if type(self).read is not Controller.read or type(self).write is not Controller.write \
-                or {"read", "write"} & vars(self).keys():
-            return "read or write is not the controller's own"
-        if self.flush != self.flusher.flush or self.tick != self.flusher.tick:
-            return "flush or tick is not the flusher's own"
-        return None
-
-    def _settled(self) -> bool:
-        """Nothing dirty or in flight, no frame pinned, no prefetch held, no media or staging-read error:
-        the state the native sequential path starts from (and leaves after each operation)."""
-        flusher = self.flusher
-        return (flusher.pending() == (0, 0) and not self.read_error and flusher.media_error is None
-                and not self.staged and self.engine.pages_held == 0
-                and lib.chm_ft_pinned_ways(self.policy.read_area.table._c, 0) == 0)
-
-    def _fold_sequential(self, result) -> None:
-        """Add what a native sequential run counted to ``stats`` and the flusher."""
-        self.fold_native_counts()
-        _fold_counts(self._stats, self._seq_counts, NATIVE_SEQ_COUNTS, _ZERO_SEQ_COUNTS)
-        if self.flusher.dev is None:  # else the native flusher counted them
-            self.flusher._flight_order += result.flush_writes
-
-    def fold_native_counts(self) -> None:
-        """Add what native hit reads counted to ``stats``."""
-        _fold_counts(self._stats, self._native_counts, NATIVE_READ_COUNTS, _ZERO_COUNTS)
-
     def count_command(self, kind: str, latency_ns: float) -> None:
         """One host command (``read`` or ``write``) done: its count and its latency sample."""
         self.stats[kind + "s"] += 1
@@ -685,49 +363,6 @@ class Controller:
         # FIFO pipes: arrivals never decrease, so the last page's is the finish
         return self.timing.link_to_host.stream(self.timing.dram.stream(readies, sizes), sizes)[-1]
 
-    # ---- writes ------------------------------------------------------------------
-    def write(self, addr: int, data: memoryview | None, length: int, now: float, whole: bool = True) -> WriteOutcome:
-        """Write ``length`` bytes (``data``, or nothing when data is off) at ``addr``; returns the finish time
-        and its pages (WriteOutcome).
-
-        Raises WriteBufferFull, having written nothing, when the policy refuses; its ``new_pages`` is the
-        write-buffer pages the write asked for. ``whole`` as for ``read``.
-        """
-        self.check_range(addr, length)
-        dev = self.flusher.dev
-        if dev is not None:
-            res = self._write_result
-            rc = _dev_write(dev, addr, length, now, whole, res)
-            self._fold_ops()
-            if rc == 0:
-                return _tuple_new(WriteOutcome, (res.finish, res.new_pages, res.pages - res.new_pages,
-                                                 self.policy.write_buffer_pages))
-            self._native_write_failed(rc, res, addr, length)
-        self.tick(now)
-        if self.flusher.media_error is not None:
-            self.stats["media_refused_writes"] += 1
-            raise self.flusher.refuse_write(f"write of {length} bytes at {addr}")
-        pages = self._pages(addr, length)
-        new_pages = sum(1 for p in pages if self.policy.write_lookup(p) is None)
-        if new_pages > self.cfg.write_buffer_frames > 0:
-            raise _write_too_big(addr, length, new_pages, self.cfg.write_buffer_frames)
-        if not self.policy.admit_writes(new_pages):
-            self.stats["refused_writes"] += 1
-            self.stats["refused_write_bytes"] += length
-            raise _write_refused(addr, length, new_pages)
-        self.stats["write_bytes"] += length
-        arrived = self.timing.link_to_device.transfer(now, length)  # a refused write moves no payload
-        t = self._cycles(arrived, self.cfg.controller.cycles_per_command + len(pages) * self.cfg.controller.cycles_per_admission)
-        finish = t
-        for page in pages:
-            lo = max(addr, page * self.page) - page * self.page
-            hi = min(addr + length, (page + 1) * self.page) - page * self.page
-            src = None if data is None else data[page * self.page + lo - addr: page * self.page + hi - addr]
-            finish = max(finish, self._write_page(page, lo, hi, src, t))
-        if whole:
-            self.count_command("write", finish - now)
-        return _tuple_new(WriteOutcome, (finish, new_pages, len(pages) - new_pages, self.policy.write_buffer_pages))
-
     @staticmethod
     def _native_read_failed(rc: int, page: int, addr: int, length: int):
         """Raise what ``read`` raises where ``chm_dev_read`` stopped with status ``rc`` (CHM_NO_FRAME: at ``page``)."""
@@ -736,173 +371,6 @@ class Controller:
         if rc == lib.CHM_E_NOMEM:
             raise MemoryError(f"read of {length} bytes at {addr}: no memory for the native path's state")
         raise RuntimeError(f"read of {length} bytes at {addr}: native status {rc}")
-
-    def _native_write_failed(self, rc: int, res, addr: int, length: int):
-        """Raise what ``write`` raises where ``chm_dev_write`` stopped with status ``rc``."""
-        if rc == lib.CHM_WRITE_TOO_BIG:
-            raise _write_too_big(addr, length, res.new_pages, self.cfg.write_buffer_frames)
-        if rc == lib.CHM_WRITE_REFUSED:
-            raise _write_refused(addr, length, res.new_pages)
-        if rc == lib.CHM_NO_FRAME:
-            raise _all_pinned("write", res.page)
-        if rc == lib.CHM_E_NOMEM:
-            raise MemoryError(f"write of {length} bytes at {addr}: no memory for the native path's state")
-        raise RuntimeError(f"write of {length} bytes at {addr}: native status {rc}")
-
-    def _write_page(self, page: int, lo: int, hi: int, src: memoryview | None, now: float) -> float:
-        frames, read_error = self.frames, self.read_error
-        frame = self.policy.write_lookup(page)
-        ready = now
-        if frame is None:
-            ins, now = self._allocate(self.policy.allocate_write, page, now, "write")
-            frame = ins.frame
-            ready = self._take_frame(ins, now)
-            self.ready_at[frame] = now
-            if hi - lo < self.page:  # partial page: the rest must come from DRAM's staged copy or the media
-                ready = max(ready, self._fill_partial(frame, page, now))
-        else:
-            frames.settle(frame)
-            if frame in read_error:
-                if hi - lo < self.page:
-                    frames.check_read(frame)  # the rest of the page could not be read: nothing to merge with
-                del read_error[frame]  # the write supplies every byte
-            self.flusher.wait_flush_of(frame)
-            self.policy.touch(frame)
-        copy = self.policy.read_copy(page)
-        for target in {frame, copy} - {None}:
-            frames.settle(target)
-            if src is not None:
-                frames.view(target, lo, hi)[:] = src
-        frames.write_seq[frame] += 1
-        self.policy.mark_dirty(frame)
-        self.flusher.enqueue(frame, now)
-        return self.timing.dram.transfer(max(ready, self.ready_at[frame]), hi - lo)
-
-    def _fill_partial(self, frame: int, page: int, now: float) -> float:
-        copy = self.policy.read_copy(page)
-        if copy is not None and copy != frame:
-            self.frames.settle(copy)
-            if self.data:
-                self.frames.view(frame)[:] = self.frames.view(copy)
-            return max(now, self.ready_at[copy])
-        self.stats["rmw_reads"] += 1
-        done, token = self.media.read(frame, page, now)
-        if token is not None:
-            try:
-                self.media.wait(token)
-            except MediaIOError as exc:  # the frame holds no valid copy of the page: give it up, fail the write
-                self.stats["read_failures"] += 1
-                self.policy.flushed(frame)  # not dirty; hymcache returns the write-buffer frame
-                if self.policy.page_of(frame) is not None:
-                    self.read_error[frame] = exc  # lru: dropped once unpinned
-                raise ChmError(exc.errno, f"write needs the rest of page {page} from the media: {exc.message}") from None
-        return done
-
-    # ---- prefetch ----------------------------------------------------------------
-    def prefetch(self, addr: int, size: int, now: float) -> PrefetchOutcome:
-        """Stage an object; returns its handle, the time the command is acknowledged and its pages
-        (PrefetchOutcome)."""
-        self.check_range(addr, size, "size")
-        self.tick(now)
-        pages = self._pages(addr, size)
-        handle = self._next_handle
-        self.engine.issue(handle, pages.start, len(pages))
-        self._next_handle += 1
-        self.stats["prefetches"] += 1
-        self.stats["prefetch_bytes"] += size
-        t = self._cycles(now, self.cfg.controller.cycles_per_command)
-        dev = self.flusher.dev
-        if dev is not None:  # the fetch loop in C (module docstring, "Native data-off path")
-            buf = self._prefetch_frames
-            if len(pages) > len(buf):
-                buf = self._prefetch_frames = ffi.new("uint32_t[]", len(pages))
-            res = self._prefetch_result
-            rc = _dev_prefetch_fetch(dev, self.engine._c, t, buf, res)
-            self._fold_ops()
-            staged, resident = res.staged, res.resident
-            self.stats["prefetch_staged_pages"] += staged
-            self.stats["prefetch_resident_pages"] += resident
-            if rc:
-                if rc == lib.CHM_NO_FRAME:
-                    raise _all_pinned("stage", res.page)
-                raise MemoryError(f"prefetch of {size} bytes at {addr}: no memory for the native path's state")
-            self.staged[handle] = Staged(ffi.unpack(buf, res.frames), res.ready_at)
-            return _tuple_new(PrefetchOutcome, (handle, res.t + self.cfg.host_link.latency_ns, staged, resident,
-                                                self.engine.pages_held))
-        frames, ready_at = [], t
-        staged = resident = 0
-        try:
-            while (fetch := self.engine.next_fetch()) is not None:
-                page = fetch[1]
-                t = self._cycles(t, self.cfg.controller.cycles_per_prefetch_page)
-                frame = self.policy.staged_lookup(page)
-                if frame is None and self.policy.lookup(page) is not None:
-                    resident += 1  # newest data sits in the write buffer
-                    continue
-                if frame is None:
-                    staged += 1
-                    frame = self._stage(page, t)
-                else:
-                    resident += 1
-                    self.policy.touch(frame)
-                self.policy.pin(frame)
-                frames.append(frame)
-                ready_at = max(ready_at, self.ready_at[frame])
-        finally:  # counted even when staging fails
-            self.stats["prefetch_staged_pages"] += staged
-            self.stats["prefetch_resident_pages"] += resident
-        self.staged[handle] = Staged(frames, ready_at)
-        self.media.poll()  # get the reads going now
-        return _tuple_new(PrefetchOutcome, (handle, t + self.cfg.host_link.latency_ns, staged, resident,
-                                            self.engine.pages_held))
-
-    def _staged_in_time(self, handle: int, now: float, timeout_ns: float | None) -> Staged:
-        """The staged object behind ``handle``; raises as ``wait`` does for an unknown handle or a modelled
-        staging later than ``now + timeout_ns``."""
-        self.engine.get(handle)  # an unknown handle raises here
-        staged = self.staged[handle]
-        if timeout_ns is not None and staged.ready_at > now + timeout_ns:
-            raise ChmError(errno.ETIMEDOUT, f"prefetch handle {handle} not staged within {timeout_ns / 1e6:g} ms "
-                                            f"(ready in {(staged.ready_at - now) / 1e6:.3f} ms of modelled time)")
-        return staged
-
-    def wait_would_block(self, handle: int, now: float, timeout_ns: float | None = None) -> bool:
-        """Would ``wait`` block on media reads still in flight (real I/O, data on)? Raises what ``wait`` would
-        raise before that (unknown handle, ETIMEDOUT). Never blocks: a server parks the wait meanwhile."""
-        staged = self._staged_in_time(handle, now, timeout_ns)
-        if not self.data:
-            return False
-        self.media.poll()
-        tokens, landed = self.frames.io_token, self.media.landed
-        return any(tokens[frame] != NO_TOKEN and not landed(tokens[frame]) for frame in staged.frames)
-
-    def wait(self, handle: int, now: float, timeout_ns: float | None = None) -> float:
-        """Until the object is staged; returns when the host learns it (virtual time)."""
-        staged = self._staged_in_time(handle, now, timeout_ns)
-        if self.data or self.read_error:  # else nothing to settle, no read failed
-            for frame in staged.frames:
-                self.frames.settle(frame)
-            for frame in staged.frames:
-                self.frames.check_read(frame)
-        self.engine.arrive_all(handle)
-        self.tick(now)
-        return max(now, staged.ready_at) + self.cfg.host_link.latency_ns
-
-    def release(self, handle: int, now: float) -> float:
-        self.engine.release(handle)
-        self.stats["releases"] += 1
-        dev = self.flusher.dev
-        if dev is not None:
-            frames = self.staged.pop(handle).frames
-            lib.chm_dev_release_frames(dev, ffi.new("uint32_t[]", frames), len(frames))
-            self.tick(now)
-            return self._cycles(now, self.cfg.controller.cycles_per_command) + self.cfg.host_link.latency_ns
-        for frame in self.staged.pop(handle).frames:
-            self.frames.settle(frame)
-            self.policy.unpin(frame)
-            self.policy.released(frame)
-        self.tick(now)
-        return self._cycles(now, self.cfg.controller.cycles_per_command) + self.cfg.host_link.latency_ns
 
     # ---- lifecycle -------------------------------------------------------------------
     def snapshot(self) -> dict:
