@@ -6,7 +6,7 @@ in a loop, then beside one that stages 16 MiB objects from the SSDs
 (prefetch, wait, release) in a loop; rounds alternate (alone, beside the
 reader, beside the stager, alone, ...) and the figures are medians over
 rounds. The device serves large reads in pieces round-robin with other
-clients (emulator/serve/server.py, CHUNK_BYTES), so beside the big reader the
+clients (emulator/serve/fairness.py, CHUNK_BYTES), so beside the big reader the
 victim waits for at most one piece, not a whole 512 MiB read (before that
 change: p50 373 ms beside it, 7 us alone); and it parks a wait whose SSD
 reads are in flight, so beside the stager it waits for none of them (before

@@ -40,9 +40,10 @@ two-area staging stays here), ``prefetch``'s fetch loop, ``release``'s frames, `
 ``next_event_ns``, ``quiet_until`` and ``flush`` run as ``chm_dev_write``, ``chm_dev_read``,
 ``chm_dev_prefetch_fetch``, ``chm_dev_release_frames``, ``chm_dev_tick``, ... (emulator/native/chm_core.c;
 ``chm_dev_run_sequential`` is made of the same functions): the same steps over the same state as the Python
-below (tests/emulator/test_native_ops.py holds them to it); what they count is folded into ``stats`` as
-each call returns. A method of the flusher or the policy replaced on the instance, or a media or
-staging-read error set by hand, brings the state back to Python for good (``Flusher._demote``).
+of read (below), write_path.py and prefetch_commands.py (tests/emulator/test_native_ops.py holds them to it);
+what they count is folded into ``stats`` as each call returns. A method of the flusher or the policy replaced
+on the instance, or a media or staging-read error set by hand, brings the state back to Python for good
+(``Flusher._demote``).
 
 Outcomes. ``read``, ``write`` and ``prefetch`` return what they did (``ReadOutcome``, ``WriteOutcome``,
 ``PrefetchOutcome``): the finish (or acknowledgement) time and the pages they counted in ``stats``, so a

@@ -21,7 +21,7 @@ from tests.driver.rawclient import RawClient
 from tests.emulator.serve.serving import ROOT, Server, unique_node
 
 FLOOD = 150
-MAX_PENDING_ATTACHES = 64  # emulator/serve/server.py; restated here as the number this test holds the device to
+MAX_PENDING_ATTACHES = 64  # emulator/serve/connections.py; restated here as the number this test holds the device to
 
 
 def flood(sock_path: str, n: int) -> list[socket.socket]:
