@@ -34,7 +34,6 @@ def _fold_counts(stats: dict, counts: memoryview, names: tuple, zero: memoryview
         counts[:] = zero
 
 
-
 def _policy_runs_sequentially(policy) -> bool:
     """Is ``policy`` a built-in frame-table cache the native sequential path runs as the policy would: a
     CachePolicy over one native table of lru, fifo, clock, s3fifo or sieve, nothing of it overridden?"""
@@ -156,4 +155,3 @@ class NativePaths:
     def fold_native_counts(self) -> None:
         """Add what native hit reads counted to ``stats``."""
         _fold_counts(self._stats, self._native_counts, NATIVE_READ_COUNTS, _ZERO_COUNTS)
-

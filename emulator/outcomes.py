@@ -25,7 +25,6 @@ def _write_refused(addr: int, length: int, new_pages: int) -> WriteBufferFull:
                            f"no room until a flush completes", new_pages=new_pages)
 
 
-
 class ReadOutcome(NamedTuple):
     """What a read did: when its last byte reached the host, and its pages by how DRAM held them (the
     ``page_hits``, ``page_misses`` and ``merged_misses`` it counted). A read served by the native hit path
@@ -85,4 +84,3 @@ class Staged:
 
     frames: list[int]  # pinned read frames, in page order
     ready_at: float
-

@@ -122,4 +122,3 @@ class PrefetchCommands:
             self.policy.released(frame)
         self.tick(now)
         return self._cycles(now, self.cfg.controller.cycles_per_command) + self.cfg.host_link.latency_ns
-

@@ -45,7 +45,6 @@ def _seq_buffer(values, fmt: str):
         return None
 
 
-
 class SequentialOps:
     """``run_sequential`` and what it needs (a Controller mixin)."""
 
@@ -135,4 +134,3 @@ class SequentialOps:
         _fold_counts(self._stats, self._seq_counts, NATIVE_SEQ_COUNTS, _ZERO_SEQ_COUNTS)
         if self.flusher.dev is None:  # else the native flusher counted them
             self.flusher._flight_order += result.flush_writes
-

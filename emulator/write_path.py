@@ -117,4 +117,3 @@ class WritePath:
                     self.read_error[frame] = exc  # lru: dropped once unpinned
                 raise ChmError(exc.errno, f"write needs the rest of page {page} from the media: {exc.message}") from None
         return done
-

@@ -19,7 +19,6 @@ def _in_srv(name: str) -> property:
     return property(lambda self: getattr(self.srv, name), lambda self, value: setattr(self.srv, name, value))
 
 
-
 class Client:
     """One attached queue pair and what the device keeps about it."""
 

@@ -298,4 +298,3 @@ class Connections:
         loop = self._loop
         loop.qps, loop.n = self._qp_array, len(self._order)
         loop.turn = loop.in_turn = loop.ran = 0  # a new pass
-

@@ -233,4 +233,3 @@ class Dispatch:
     def _own(c: Client, handle: int) -> None:
         if handle not in c.handles:
             raise ChmError(errno.EINVAL, f"unknown or released prefetch handle {handle}")
-

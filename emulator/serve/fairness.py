@@ -35,7 +35,6 @@ class Job:
         self.next, self.piece, self.buf, self.start, self.finish = e.addr, piece, buf, start, start
 
 
-
 class FairTurns:
     """The turns of the Python serve loop and the pieces of large commands (a DeviceServer mixin)."""
 
@@ -126,4 +125,3 @@ class FairTurns:
                                    or lib.chm_srv_pending(other.srv_one, 1, 0) >= 0):
                 return True
         return False
-

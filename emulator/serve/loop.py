@@ -132,4 +132,3 @@ class ServeLoop:
         self._control(events)
         if self.pending:
             self._drop_stalled_handshakes()
-

@@ -94,4 +94,3 @@ class NodeOwner:
         del self._cdata
         self.map.close()
         os.close(self.fd)
-

@@ -31,7 +31,6 @@ class _Park(Exception):
     """Raised by _execute for a wait that would block on media reads (see ParkedWait)."""
 
 
-
 class Parking:
     """Parked prefetch waits and the spin after a staged one (a DeviceServer mixin)."""
 
@@ -78,4 +77,3 @@ class Parking:
         """A prefetch wait was answered: its object's reads are likely next (see STAGED_SPIN_NS)."""
         if self.spin_ns:
             self._staged_spin_until = self.clock.monotonic_ns() + STAGED_SPIN_NS
-

@@ -30,4 +30,3 @@ BULK_OPCODES = frozenset((lib.CHM_OP_READ, lib.CHM_OP_WRITE, lib.CHM_OP_PREFETCH
 def _u64(x: float) -> int:
     """A virtual time or duration as a completion's u64 field (never an exception: NaN is 0)."""
     return int(x) if 0 <= x <= U64_MAX else (U64_MAX if x > U64_MAX else 0)
-

@@ -229,7 +229,6 @@ class DeviceServer(ServeLoop, FairTurns, Dispatch, Parking, Connections):
         return done
 
 
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
