@@ -137,10 +137,6 @@ class Flusher:
         self.dev = dev
         self._native = (fl, fold, keep)
 
-    def _nat(self):
-        """``dev`` (host_runtime/replay/native_replay.py asks this way)."""
-        return self.dev
-
     def to_python(self) -> None:
         """The state back to Python, for good (a no-op there)."""
         if self.dev is None:

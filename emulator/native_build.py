@@ -17,6 +17,7 @@ header) compile one planted wrong decision in, as a module of their own:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import cffi
@@ -69,11 +70,14 @@ def unity_shim() -> str:
 
 
 def write_unity_shim() -> bool:
-    """Rewrite ``UNITY_SHIM`` if it is not ``unity_shim()``; True if it was rewritten."""
+    """Rewrite ``UNITY_SHIM`` if it is not ``unity_shim()`` (in one rename: a concurrent build reads the old
+    text or the new); True if it was rewritten."""
     text = unity_shim()
     if UNITY_SHIM.is_file() and UNITY_SHIM.read_text() == text:
         return False
-    UNITY_SHIM.write_text(text)
+    scratch = UNITY_SHIM.with_name(f".{UNITY_SHIM.name}.{os.getpid()}")
+    scratch.write_text(text)
+    os.replace(scratch, UNITY_SHIM)
     return True
 
 

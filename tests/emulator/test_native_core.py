@@ -311,8 +311,8 @@ def test_the_loaded_core_is_built_from_the_current_sources():
 
 def test_the_unity_shim_the_replay_compiles_is_current():
     """host_runtime/replay compiles the core as one file (chm_core.c): it must include every source and name
-    their digest, so its module is rebuilt with theirs (`python -m emulator.native` rewrites it)."""
-    assert native_build.UNITY_SHIM.read_text() == native_build.unity_shim(), "run: python -m emulator.native"
+    their digest, so its module is rebuilt with theirs (importing emulator.native rewrites it)."""
+    assert native_build.UNITY_SHIM.read_text() == native_build.unity_shim()
     assert len(native_build.SOURCES) > 1 and native_build.HEADER in native_build.DIGESTED
 
 
