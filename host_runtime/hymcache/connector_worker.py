@@ -52,7 +52,6 @@ class _Pending:
     slot0: int = 0                # first slot (in blocks) of this request in ``buffer``
 
 
-
 class HyMCacheConnectorWorker(ConnectorSide):
     """The worker side; the arguments are ``ConnectorSide``'s. ``figures``: per request, what it did."""
 
