@@ -196,7 +196,8 @@ KINDS = {
                   lambda f: f"a non-empty list of distinct tiers from {', '.join(TIERS)}",
                   lambda v: [t.strip() for t in v.split(",")] if isinstance(v, str) else v),
     "byteslist": Kind(lambda f: list[Annotated[int, Meta(ge=1)]],
-                      lambda f: "a list of byte counts (integers, or with a unit: KiB, MiB, GiB, TiB), possibly empty", _byte_counts),
+                      lambda f: "a list of byte counts (integers, or with a unit: KiB, MiB, GiB, TiB), possibly empty",
+                      _byte_counts),
 }
 
 
