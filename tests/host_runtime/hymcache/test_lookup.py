@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import time
 
 import pytest
 import xxhash
@@ -31,8 +30,10 @@ class ScriptedMaster:
     def __init__(self, stored: dict[bytes, int], events: list, gate: threading.Event | None = None):
         self.stored, self.events, self.gate = stored, events, gate
         self.fail = False
+        self.called = threading.Event()  # a lookup came in (it may be waiting at the gate)
 
     def lookup(self, keys):
+        self.called.set()
         if self.gate is not None:
             assert self.gate.wait(10)
         if self.fail:
@@ -54,6 +55,17 @@ class RecordingManager:
         self.events.append(("hint", self.node, request_id, list(keys)))
         self.locs = list(locs or [])
         return len(keys)
+
+
+class SteppingClock(ManualClock):
+    """A ManualClock that also moves 1 s at each read while ``stepping``: a wait on it ends after a few reads."""
+
+    stepping = False
+
+    def now(self) -> float:
+        if self.stepping:
+            self.t += 1
+        return self.t
 
 
 def make(stored, events, gate=None, clock=None, **kwargs):
@@ -223,16 +235,16 @@ def test_requests_take_turns_a_batch_at_a_time():
 
 def test_the_deadline_reads_the_clock():
     keys = keys_(64)
-    events, gate, clock = [], threading.Event(), ManualClock()
-    _, lookup = make({k: 0 for k in keys}, events, gate, clock, timeout_s=5)
+    events, gate, clock = [], threading.Event(), SteppingClock()
+    master, lookup = make({k: 0 for k in keys}, events, gate, clock, timeout_s=5)
     with lookup:
         lookup.start("r", keys)
-        ticker = threading.Thread(target=lambda: [time.sleep(0.01) or clock.advance(1) for _ in range(3)])
-        ticker.start()
+        assert master.called.wait(10)  # the first batch is at the Master, stuck at the gate
+        clock.stepping = True
         with pytest.raises(ChmError) as e:
             lookup.result("r", timeout_s=2)  # the Master is stuck: the wait ends on the clock
-        ticker.join()
-        assert e.value.errno == errno.ETIMEDOUT
+        clock.stepping = False
+        assert e.value.errno == errno.ETIMEDOUT and clock.t <= 4
         clock.advance(10)  # past the lookup's own 5 s: after the stuck batch, the rest is given up
         gate.set()
         found = lookup.result("r", 10)

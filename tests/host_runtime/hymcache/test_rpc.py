@@ -28,7 +28,7 @@ class Target:
         return [BlockLoc(b"k" * 16, 0, 1, 4096, 8192, 7, 1)]
 
     def slow(self, seconds):
-        time.sleep(seconds)
+        time.sleep(seconds)  # a slow answer: the sleep is the behaviour under test
         return "late"
 
     def hidden(self):
