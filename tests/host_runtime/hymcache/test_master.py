@@ -601,3 +601,23 @@ def test_served_methods_answer_typed_over_zeromq():
             assert c.stats()["registered_blocks"] == 2
         assert set(MASTER_METHODS) == {"register_node", "nodes", "lookup", "put_start", "put_end", "put_revoke",
                                        "remove", "stats"}
+
+
+@pytest.mark.parametrize("kw, names", [
+    ({"metrics_port": 70000}, f"metrics_port 70000 {OUTSIDE} an integer in [0, 65535]"),
+    ({"snapshot_every": 0}, f"snapshot_every 0 {OUTSIDE} an integer in [1, 1099511627776]"),
+    ({"lease_s": True}, f"lease_s True {OUTSIDE} a number in (0, 86400]"),
+    ({"recover_damaged": True}, f"recover_damaged True {OUTSIDE} false without a state_dir"),
+    ({"lease": 5}, "lease is not a known field; known: lease_s, lease_max_s"),
+])
+def test_served_options_are_declared_once_and_refused_naming_field_value_and_range(kw, names):
+    with pytest.raises(ChmError) as exc:
+        master_options(**kw)
+    assert exc.value.errno == errno.EINVAL and names in str(exc.value)
+
+
+def test_a_started_master_that_never_served_closes_its_socket_and_state_dir(tmp_path):
+    running = start_master(master_options(endpoint="tcp://127.0.0.1:0", state_dir=str(tmp_path)), clock=ManualClock())
+    running.close()
+    assert running.server.sock.closed
+    Master(ManualClock(), str(tmp_path)).close()  # the state dir's lock is free again
