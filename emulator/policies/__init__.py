@@ -33,7 +33,7 @@ import re
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple, Sequence
 
-from ..config import FIELDS, Field
+from ..config_fields import FIELDS, Field
 from ..errors import ConfigError
 from ..frame_table import EvictionPolicy, Inserted, Pinned
 from .base import Area, CachePolicy, Policy
