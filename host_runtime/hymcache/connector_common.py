@@ -6,6 +6,7 @@ the entry that makes them."""
 
 from __future__ import annotations
 
+import contextvars
 import errno
 from dataclasses import dataclass, field
 from enum import Enum
@@ -30,6 +31,7 @@ TRANSFERS = ("local", "remote")
 FIGURES_KEPT = 4096          # per-request figures kept for callers (chat rows), oldest dropped first
 
 CHECK = Checks(lambda message: ChmError(errno.EINVAL, message))
+_CONVERTING = contextvars.ContextVar("hymcache_config_converting", default=False)  # inside CHECK.convert
 
 
 class KVConnectorRole(Enum):
@@ -64,7 +66,10 @@ class HyMCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     verify_checksum: bool = True
     transfer: Literal["local", "remote"] = "local"  # local: libchm on this machine; remote: the node's KV Manager
 
-    def __post_init__(self):  # what the field types cannot say
+    def __post_init__(self):
+        if not _CONVERTING.get():  # built in code, not by from_dict: the declared ranges hold here too
+            _converted(self.as_dict())
+        # what the field types cannot say
         if self.key_dir and self.curve_keys:
             raise ChmError(errno.EINVAL, outside("key_dir", self.key_dir, "unset when curve_keys is set (one names "
                                                  "the key: key_dir with key_name, or curve_keys)"))
@@ -81,7 +86,7 @@ class HyMCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if unknown:
             raise ChmError(errno.EINVAL, f"unknown HyMCache setting {unknown[0]!r}; the settings are: "
                                          f"{', '.join(sorted(known))}")
-        return CHECK.convert(values, cls)
+        return _converted(values)
 
     def as_dict(self) -> dict:
         return msgspec.structs.asdict(self)
@@ -98,6 +103,14 @@ class HyMCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def staging_bytes(self) -> int:
         return min(int(self.staging_buffer_size * GB), STAGING_BYTES_MAX)
+
+
+def _converted(values: dict) -> HyMCacheConfig:
+    token = _CONVERTING.set(True)
+    try:
+        return CHECK.convert(values, HyMCacheConfig)
+    finally:
+        _CONVERTING.reset(token)
 
 
 # ---- the metadata the scheduler side hands the worker side, per step -----------------------

@@ -456,3 +456,11 @@ def test_config_names_field_value_and_range(values, message):
             cfg.kv_load_failure_policy) == (16, 10.0, 32, 5.0, "recompute")
     assert cfg.staging_bytes == 1 << 30  # 5 GB of transfer space: at most 1 GiB staged per device handle
     assert HyMCacheConfig.from_dict({"lookup_timeout_ms": 1000}).lookup_timeout_ms == 1000.0  # an int is a number
+
+
+def test_a_config_built_in_code_is_checked_as_from_dict_checks_it():
+    with pytest.raises(ChmError, match=r"chunk_size 0 is outside the allowed range: an integer in \[1, 4096\]"):
+        HyMCacheConfig(chunk_size=0)
+    with pytest.raises(ChmError, match=r"transfer 'rdma' is outside the allowed range: one of local, remote"):
+        HyMCacheConfig(transfer="rdma")
+    assert HyMCacheConfig(chunk_size=128).chunk_size == 128
