@@ -48,9 +48,6 @@ from .connector_common import (COUNTERS, FIGURES_KEPT, GB, KV_LAYOUT, MODEL_NAME
 from .connector_scheduler import HyMCacheConnectorScheduler
 from .connector_worker import MAX_READ_PIECES, READ_PIECE_BYTES, HyMCacheConnectorWorker  # noqa: F401
 
-ROLE_CLASSES = {KVConnectorRole.SCHEDULER: HyMCacheConnectorScheduler, KVConnectorRole.WORKER: HyMCacheConnectorWorker}
-
-
 def HyMCacheConnector(config: HyMCacheConfig | dict | None, role: KVConnectorRole, *, master=None,
                       manager_for_node: Callable[[int], object] | None = None, lookup=None,
                       clock: Clock | None = None, log: Callable[[str], None] | None = None) -> ConnectorSide:
