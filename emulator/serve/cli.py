@@ -14,6 +14,7 @@ from emulator.controller import DRAIN_TIMEOUT_S
 from emulator.errors import ChmError
 
 from driver.wire import DEFAULT_NODE, NodeError
+from .limits import DEFAULT_MAX_BAD_ENTRIES, MAX_BAD_ENTRIES_LIMIT
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -30,10 +31,6 @@ def _policy_name(text: str) -> str:
     except ChmError as exc:  # argparse names the option already
         raise argparse.ArgumentTypeError(exc.message.removeprefix("--policy: ")) from None
     return text
-
-
-DEFAULT_MAX_BAD_ENTRIES = 64  # malformed entries (or corrupted sq tails) of one client before it is detached
-MAX_BAD_ENTRIES_LIMIT = 1 << 32  # 0 never detaches
 
 
 def _bad_entries(text: str) -> int:

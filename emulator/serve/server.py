@@ -71,8 +71,8 @@ from emulator.controller import DRAIN_TIMEOUT_S, Controller
 from emulator.errors import ChmError
 from emulator.native import ffi as core_ffi
 
-from .cli import DEFAULT_MAX_BAD_ENTRIES, MAX_BAD_ENTRIES_LIMIT
 from .clients import Client
+from .limits import DEFAULT_MAX_BAD_ENTRIES, MAX_BAD_ENTRIES_LIMIT
 from .clock import Clock, ManualClock, WallClock
 from .connections import ATTACH_TIMEOUT_S, LOG_INTERVAL_S, MAX_PENDING_ATTACHES, PAGE, Connections
 from .dispatch import Dispatch
