@@ -1,6 +1,6 @@
 """The replay's host-side index in C: ``NativeMaster``, the Master's methods replay calls, one node of one device.
 
-``Master`` (master.py) stays the one definition of the decisions; ``native/master_table.c`` makes the same
+``Master`` (master.py) stays the one definition of the decisions; ``native/`` (mt_*.c) makes the same
 ones for the calls ``host_runtime/replay/driver.py`` makes -- ``register_node`` (one device), ``lookup``,
 ``put_start``, ``put_end``, ``put_revoke``, ``expire``/``tick`` on its clock, ``stats`` and ``counters``
 -- plus ``remove``, and tests/host_runtime/hymcache/test_native_master.py runs both side by side and demands

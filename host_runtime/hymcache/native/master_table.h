@@ -3,8 +3,9 @@
  * lookup, put_start, put_end, put_revoke, and expiry on a virtual clock), plus
  * remove.
  *
- * The specification is host_runtime/hymcache/master.py (class Master and its
- * _Device allocator); tests/host_runtime/hymcache/test_native_master.py runs
+ * The specification is host_runtime/hymcache/master.py's class Master (its rows:
+ * master_table.py; its _Device and eviction: allocator.py); the C is mt_*.c behind
+ * mt_internal.h; tests/host_runtime/hymcache/test_native_master.py runs
  * both side by side on the same calls and demands the same answers, the same
  * rows (row numbers included) and the same allocator state. What is matched:
  *
