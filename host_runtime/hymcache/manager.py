@@ -54,6 +54,6 @@ from host_runtime.hymcache.manager_server import (HOLD_MAX_S, MANAGER_METHODS, M
 from host_runtime.hymcache.manager_service import (ManagerOptions, RunningManager, manager_options,  # noqa: F401
                                                    run_manager, start_manager)
 from host_runtime.hymcache.manager_state import (LOOK_STEP_S, LOOKUP_BATCH, MAX_HINT_KEYS,  # noqa: F401
-                                                 REOPEN_INTERVAL_S, REQUEST_TIMEOUT_S, WAIT_STEP_S, _check_int,
+                                                 REOPEN_INTERVAL_S, REQUEST_TIMEOUT_S, WAIT_STEP_S,
                                                  _check_key, _check_keys, _check_request_id, _check_seconds,
                                                  node_path)

@@ -9,7 +9,7 @@ import errno
 
 from driver.errors import ChmError
 from host_runtime.hymcache.manager_state import (FAILED, ISSUED, LOOK_STEP_S, MAX_U64, QUEUED, RELEASED, STAGED,
-                                                 WAIT_STEP_S, _Block, _check_int, _check_key, _check_request_id,
+                                                 WAIT_STEP_S, _Block, check, _check_key, _check_request_id,
                                                  _check_seconds, _Request, _Unconfirmed)
 from host_runtime.hymcache.messages import BlockLoc, ReadToken
 from host_runtime.hymcache.rpc import Payload
@@ -209,8 +209,8 @@ class BlockPath:
         """The remote write path: one frame's bytes at ``offset`` of ``device`` (from a WriteLoc).
         EAGAIN (write buffer full) and ENOSPC pass through: the worker skips the block."""
         with self._lock:
-            device = _check_int("device", device, 0, len(self.handles) - 1)
-            offset = _check_int("offset", offset, 0, MAX_U64)  # past the device's end: its ERANGE
+            device = check.int("device", device, 0, len(self.handles) - 1)
+            offset = check.int("offset", offset, 0, MAX_U64)  # past the device's end: its ERANGE
             if not payload or len(payload) != 1:
                 raise ChmError(errno.EINVAL, f"payload must be exactly one frame (the block), got "
                                              f"{len(payload or ())}")

@@ -15,7 +15,7 @@ from host_runtime.hymcache.confirmer import _Confirmer
 from host_runtime.hymcache.manager_blocks import BlockPath
 from host_runtime.hymcache.manager_hints import HintPath
 from host_runtime.hymcache.manager_state import (FAILED, ISSUED, LOOKUP_BATCH, MAX_NODE, MAX_WINDOW_BYTES,
-                                                 REOPEN_INTERVAL_S, REQUEST_TIMEOUT_S, STAGED, _check_int,
+                                                 REOPEN_INTERVAL_S, REQUEST_TIMEOUT_S, STAGED, check,
                                                  _check_seconds, _node_id, _Request, node_path)
 from host_runtime.hymcache.messages import DeviceInfo
 from host_runtime.hymcache.window import WINDOW_BYTES
@@ -32,14 +32,14 @@ class KVManager(HintPath, BlockPath):
     def __init__(self, node: int, device_nodes: list[str], master, clock: Clock, *, window_bytes: int = WINDOW_BYTES,
                  request_timeout_s: float = REQUEST_TIMEOUT_S, endpoint: str = "", batch: int = LOOKUP_BATCH,
                  log: Callable[[str], None] | None = None, open_device: Callable[[str], libchm.Device] = libchm.Device):
-        self.node = _check_int("node", node, 0, MAX_NODE)
+        self.node = check.int("node", node, 0, MAX_NODE)
         if (not isinstance(device_nodes, (list, tuple)) or not device_nodes
                 or not all(isinstance(d, str) and d for d in device_nodes)):
             raise ChmError(errno.EINVAL, f"device_nodes {device_nodes!r} must be a non-empty list of chm serve "
                                          "node names or paths")
-        self.window_bytes = _check_int("window_bytes", window_bytes, 1, MAX_WINDOW_BYTES)
+        self.window_bytes = check.int("window_bytes", window_bytes, 1, MAX_WINDOW_BYTES)
         self.request_timeout_s = _check_seconds("request_timeout_s", request_timeout_s, allow_zero=False)
-        self.batch = _check_int("batch", batch, 1, LOOKUP_BATCH)
+        self.batch = check.int("batch", batch, 1, LOOKUP_BATCH)
         if not isinstance(endpoint, str):
             raise ChmError(errno.EINVAL, f"endpoint {endpoint!r} must be a str (a ZeroMQ address, or '' in process)")
         for method in ("lookup", "register_node"):

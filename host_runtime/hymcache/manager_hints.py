@@ -11,7 +11,7 @@ import msgspec
 from driver.errors import ChmError
 from host_runtime.hymcache import auth
 from host_runtime.hymcache.confirmer import _Confirmer
-from host_runtime.hymcache.manager_state import (MAX_HINT_KEYS, MAX_U64, _Block, _check_int, _check_keys,
+from host_runtime.hymcache.manager_state import (MAX_HINT_KEYS, MAX_U64, _Block, check, _check_keys,
                                                  _check_request_id, _check_seconds, _Confirmation, _Request)
 from host_runtime.hymcache.messages import BlockLoc, to
 from host_runtime.hymcache.window import window_blocks
@@ -189,7 +189,7 @@ class HintPath:
             if min(loc.node, loc.device, loc.offset, loc.length - 1, loc.checksum, loc.version) < 0:  # the rare case
                 for field, low in (("node", 0), ("device", 0), ("offset", 0), ("length", 1), ("checksum", 0),
                                    ("version", 0)):
-                    _check_int(f"locs[{i}].{field}", getattr(loc, field), low, MAX_U64)
+                    check.int(f"locs[{i}].{field}", getattr(loc, field), low, MAX_U64)
         return locs
 
     def _speculate(self, req: _Request, locs: list[BlockLoc]) -> None:

@@ -38,10 +38,6 @@ def _check_keys(keys) -> list[bytes]:
     return [_check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
 
 
-def _check_int(name: str, value, low: int, high: int) -> int:
-    return check.int(name, value, low, high)
-
-
 def _check_seconds(name: str, value, allow_zero: bool = True) -> float:
     """Seconds in [0, inf) (``allow_zero``) or (0, inf); NaN never passes."""
     return check.number(name, value, 0, math.inf, low_open=not allow_zero, high_open=True)
