@@ -68,10 +68,6 @@ def set_options(master, **options) -> None:
 
 # ---------------------------------------------------------------- per call
 
-def _check_int(value, field: str, lo: int, hi: int) -> int:
-    return check.int(field, value, lo, hi)
-
-
 def _check_list(values, field: str) -> list:
     return check.items(field, values, 0, MAX_BATCH)
 

@@ -30,7 +30,7 @@ from driver.errors import ChmError
 from . import auth
 from .allocator import MasterAllocator, _Device
 from .checks import (MAX_BATCH, MAX_DEVICE, MAX_LENGTH, MAX_NODE, MAX_TIMEOUT_S, PLACEMENTS,  # noqa: F401 (re-exported)
-                     _check_int, _check_keys, _check_per_key, _check_request_id, _check_versions,
+                     _check_keys, _check_per_key, _check_request_id, _check_versions, check,
                      check_registration, set_options)
 from .clock import Clock
 from .journal import Journal, _AllocRec, _CommitRec, _NodeRec
@@ -129,7 +129,7 @@ class Master(MasterTable, MasterAllocator, MasterRecovery):
 
     def node_secret(self, node: int) -> bytes:
         """The secret node ``node``'s Manager checks read leases with."""
-        return auth.node_secret(self.lease_secret, _check_int(node, "node", 0, MAX_NODE))
+        return auth.node_secret(self.lease_secret, check.int("node", node, 0, MAX_NODE))
 
     def _apply_node(self, node: int, endpoint: str, devices: list[DeviceInfo], now_ms: int) -> None:
         entry = self._nodes.setdefault(node, {"endpoint": endpoint, "devices": {}, "next_device": 0})
@@ -172,7 +172,7 @@ class Master(MasterTable, MasterAllocator, MasterRecovery):
         request_id = _check_request_id(request_id)
         keys = _check_keys(keys)
         sizes = _check_per_key(sizes, "sizes", len(keys))
-        sizes = [_check_int(s, f"sizes[{i}]", 1, MAX_LENGTH) for i, s in enumerate(sizes)]
+        sizes = [check.int(f"sizes[{i}]", s, 1, MAX_LENGTH) for i, s in enumerate(sizes)]
         with self._lock:
             now = self._now_ms()
             self._journal_ready(f"put_start of request {request_id}")
@@ -245,7 +245,7 @@ class Master(MasterTable, MasterAllocator, MasterRecovery):
         put timed out and was started again by another request has a newer version and is skipped."""
         keys = _check_keys(keys)
         checksums = _check_per_key(checksums, "checksums", len(keys))
-        checksums = [_check_int(c, f"checksums[{i}]", 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
+        checksums = [check.int(f"checksums[{i}]", c, 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
         versions = _check_versions(versions, len(keys))
         with self._lock:
             now = self._now_ms()

@@ -29,7 +29,7 @@ from driver.native import load_or_build
 
 from . import native_master_build as _build
 from .clock import Clock
-from .checks import (MAX_LENGTH, _check_int, _check_keys, _check_per_key, _check_request_id, _check_versions,
+from .checks import (MAX_LENGTH, _check_keys, _check_per_key, _check_request_id, _check_versions, check,
                      check_registration, set_options)
 from .messages import BlockLoc, DeviceInfo, WriteLoc
 
@@ -38,7 +38,7 @@ _COUNTERS = ("lookup_requests", "lookup_keys", "lookup_hits", "put_requests", "p
 
 
 def _plain_ints(values: list, lo: int, hi: int) -> bool:
-    """All ``int`` (not bool, not numpy) in [lo, hi]: what Master's per-item ``_check_int`` passes unchanged."""
+    """All ``int`` (not bool, not numpy) in [lo, hi]: what Master's per-item ``check.int`` passes unchanged."""
     return not values or (set(map(type, values)) == {int} and lo <= min(values) and max(values) <= hi)
 
 
@@ -173,7 +173,7 @@ class NativeMaster:
         keys = _check_keys(keys)
         sizes = _check_per_key(sizes, "sizes", len(keys))
         if not _plain_ints(sizes, 1, MAX_LENGTH):  # else Master's check, with its message
-            sizes = [_check_int(s, f"sizes[{i}]", 1, MAX_LENGTH) for i, s in enumerate(sizes)]
+            sizes = [check.int(f"sizes[{i}]", s, 1, MAX_LENGTH) for i, s in enumerate(sizes)]
         n = len(keys)
         self._grow(n)
         lib = self._lib
@@ -198,7 +198,7 @@ class NativeMaster:
         keys = _check_keys(keys)
         checksums = _check_per_key(checksums, "checksums", len(keys))
         if not _plain_ints(checksums, 0, (1 << 64) - 1):
-            checksums = [_check_int(c, f"checksums[{i}]", 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
+            checksums = [check.int(f"checksums[{i}]", c, 0, (1 << 64) - 1) for i, c in enumerate(checksums)]
         vers = self._versions_arg(versions, len(keys))
         return self._check(self._lib.mt_put_end(self._t, float(self.clock.now()), self._keys(keys),
                                                 self._ffi.new("uint64_t[]", checksums), vers, len(keys)))
