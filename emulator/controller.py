@@ -15,7 +15,7 @@ the timing model says how long it took.
   and ``flush`` are its methods.
 
 Native hit path. A read whose every page is a DRAM hit (resident, ready, settled) is served by
-``chm_dev_read_hit`` (emulator/native/chm_core.c) when the policy looks pages up and counts hits in
+``chm_dev_read_hit`` (emulator/native/read_hit.c) when the policy looks pages up and counts hits in
 native frame tables: the same steps as ``read`` below, over the same state (``ready_at``,
 ``io_token``, the timing pipes and the read latency histogram are native memory both sides use).
 ``chm serve`` calls it straight from its C loop; its counts reach ``stats`` at the next read or
@@ -26,7 +26,7 @@ another, as ``chm replay --sequential`` issues them: a read (``read(addr, length
 finish) or a write followed by a flush (``write(addr, None, length, now)``, then ``now = flush(finish)``).
 With data off, a built-in frame-table policy without a write buffer (lru, fifo, clock, s3fifo, sieve) and the
 device settled (nothing dirty or in flight, no frame pinned, no prefetch held, no media or staging-read
-error), ``chm_dev_run_sequential`` (emulator/native/chm_core.c) runs them in C over the same state: the
+error), ``chm_dev_run_sequential`` (emulator/native/device_ops.c) runs them in C over the same state: the
 frame table, ``ready_at``, ``write_seq``, the timing pipes and SSD models, the latency histograms, and the
 counts it folds into ``stats`` at the end, so the device is left exactly as those calls would leave it.
 Otherwise (hymcache, libcachesim:*, a plug-in; data on; an unsettled device, until a write's flush settles
@@ -38,12 +38,12 @@ native core has (lru, fifo, clock, s3fifo, sieve; hymcache), the flusher's state
 (emulator/flusher.py, "Native mode") and ``write``, ``read`` after the DRAM-hit attempt (one area: hymcache's
 two-area staging stays here), ``prefetch``'s fetch loop, ``release``'s frames, ``tick``, ``run_until``,
 ``next_event_ns``, ``quiet_until`` and ``flush`` run as ``chm_dev_write``, ``chm_dev_read``,
-``chm_dev_prefetch_fetch``, ``chm_dev_release_frames``, ``chm_dev_tick``, ... (emulator/native/chm_core.c;
+``chm_dev_prefetch_fetch``, ``chm_dev_release_frames``, ``chm_dev_tick``, ... (emulator/native/;
 ``chm_dev_run_sequential`` is made of the same functions): the same steps over the same state as the Python
 of read (below), write_path.py and prefetch_commands.py (tests/emulator/test_native_ops.py holds them to it);
-what they count is folded into ``stats`` as each call returns. A method of the flusher or the policy replaced
-on the instance, or a media or staging-read error set by hand, brings the state back to Python for good
-(``Flusher._demote``).
+what they count is folded into ``stats`` as each call returns. The choice is made once, when the controller is
+built; ``Flusher.to_python()`` (for a test that watches or replaces a method) brings the state back to Python
+for good.
 
 Outcomes. ``read``, ``write`` and ``prefetch`` return what they did (``ReadOutcome``, ``WriteOutcome``,
 ``PrefetchOutcome``): the finish (or acknowledgement) time and the pages they counted in ``stats``, so a

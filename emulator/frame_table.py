@@ -23,7 +23,7 @@ checked against, so its decisions are fully specified:
 
 One implementation, native: the table and the built-in policies (``LruOrder``
 here; fifo, clock, sieve, s3fifo in ``emulator/policies/``, all
-``NativeOrder``s) are the C structures of ``emulator/native/chm_core.c``, and
+``NativeOrder``s) are the C structures of ``emulator/native/`` (frame_table.c, policy_*.c), and
 this module wraps them. ``lookup_or_insert`` and ``access_many`` make a whole
 access (or a whole sequence of them) one call into C. An eviction policy
 written in Python (a plug-in: an ``EvictionPolicy`` that is not a
@@ -522,7 +522,8 @@ class FrameTable:
         """Raise RuntimeError if one of the native table's invariants does not hold (tests)."""
         line = lib.chm_ft_check(self._c)
         if line:
-            raise RuntimeError(f"frame table invariant broken: emulator/native/chm_core.c line {line}")
+            raise RuntimeError(f"frame table invariant broken: line {line} of emulator/native/frame_table.c or of "
+                               f"the policy's policy_*.c")
 
     def _check(self, rc: int, what: str, frame: int | None = None, page: int | None = None) -> None:
         """Raise what a native status other than a decision means."""

@@ -7,7 +7,7 @@ and reports the object ready once every page has arrived. The frames
 themselves come from the frame table (the emulator) or a free list (the RTL).
 
 The accounting is the native core's (``chm_pf_*`` in
-``emulator/native/chm_core.c``); this module wraps it.
+``emulator/native/prefetch.c``); this module wraps it.
 """
 
 from __future__ import annotations

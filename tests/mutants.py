@@ -26,7 +26,7 @@ MUTANTS = [
      "            if self.roles is not None and not (who and who.roles & self.roles.get(method, frozenset())):",
      "            if False:", None,
      ["tests/host_runtime/hymcache/test_auth.py", "-k", "outside_the_keys_role"]),
-    ("lease check", "host_runtime/hymcache/manager.py",
+    ("lease check", "host_runtime/hymcache/manager_hints.py",
      "        if why is not None:\n            self.counters[\"reads_refused\"] += 1",
      "        if False:\n            self.counters[\"reads_refused\"] += 1", None,
      ["tests/host_runtime/hymcache/test_auth.py", "-k", "lease"]),
@@ -38,7 +38,7 @@ MUTANTS = [
     ("journal: cut back a failed write", "host_runtime/hymcache/journal.py",
      "            os.ftruncate(self.fd, end)\n", "            pass\n", None,
      ["tests/host_runtime/hymcache/test_journal.py", "-k", "failed_write or full_state_disk"]),
-    ("per-client doorbell", "emulator/serve/server.py",
+    ("per-client doorbell", "emulator/serve/connections.py",
      "                self._reply(conn, 0, cid, total, (fd, c.bell))", "                self._reply(conn, 0, cid, total, (fd, self.evfd))", None,
      ["tests/emulator/serve/test_doorbell.py"]),
 ]

@@ -2,8 +2,7 @@
 
 Built by ``make`` (``python -m emulator.native``, see ``emulator/native_build.py``);
 a process that finds the module for the current sources missing builds it
-(under a file lock). Importing it also rewrites the unity shim ``chm_core.c`` (every source included, with
-their digest) when a source changed: host_runtime/replay/native_build.py compiles that one file.
+(under a file lock).
 
 ``$CHM_CORE_MUTATION`` (tests only) loads a variant with one planted wrong
 decision (a ``CHM_MUTATION_*`` name of the header, e.g. ``LRU_RANK``): the RTL
@@ -24,7 +23,3 @@ _module = load_or_build(native_build.module_name(_mutation), lambda: native_buil
 ffi, lib = _module.ffi, _module.lib
 if lib.chm_core_mutation() != (getattr(lib, f"CHM_MUTATION_{_mutation.upper()}") if _mutation else 0):
     raise ImportError(f"{_module.__file__} does not plant ${native_build.MUTATION_ENV}={_mutation!r}")
-try:  # the replay's build compiles the unity shim: bring it up to date before that build looks at it
-    native_build.write_unity_shim()
-except OSError:  # a read-only tree: `python -m emulator.native` writes it where it is built
-    pass

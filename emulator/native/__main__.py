@@ -1,5 +1,4 @@
-"""``python -m emulator.native``: build the native core for the current sources (importing it does, and brings
-the unity shim ``chm_core.c`` up to date) and remove the modules built from earlier ones; prints the module's
+"""``python -m emulator.native``: build the native core for the current sources (importing it does) and remove the modules built from earlier ones; prints the module's
 path."""
 
 from .. import native_build

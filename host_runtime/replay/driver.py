@@ -13,7 +13,7 @@ event, so idle spans cost nothing and replay cost follows the accesses.
 How a request uses the device (its ``keys`` are the KV blocks of its context):
 
 * the host side is the HyMCache runtime's Master (host_runtime/hymcache/master.py): its decisions, made by
-  ``HOST_INDEX``, the native table of native_master.py (hymcache/native/master_table.c), which
+  ``HOST_INDEX``, the native table of native_master.py (hymcache/native/mt_*.c), which
   tests/host_runtime/hymcache/test_native_master.py pins call for call to the Python Master (a whole replay
   through each gives the same calls and report). In process on the replay's virtual clock, with one node of
   one device (the Controller's capacity): it knows which

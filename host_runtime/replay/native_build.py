@@ -5,8 +5,9 @@ from other sources and a changed source builds a new one on first import):
 * ``TRACE_READER``: the trace reader, ``native/trace_reader.{h,c}`` (``native_reader.py``);
 * ``REPLAY_LOOP``: the request loop, ``native/replay_loop.h`` (the cdef) and ``LOOP_SOURCES`` behind the private
   ``native/replay_loop_internal.h`` (``native_replay.py``). It calls the device core
-  (``emulator/native/chm_core.c``) and the Master table (``host_runtime/hymcache/native/master_table.c``) on the
-  structs the emulator's and the Master's own modules made, so it is compiled with their sources and their flags
+  (``emulator/native/``) and the Master table (``host_runtime/hymcache/native/``) on the structs the
+  emulator's and the Master's own modules made, so it is compiled with their sources (``SOURCES`` of
+  emulator/native_build.py and hymcache/native_master_build.py: one list each) and their flags
   (``-ffp-contract=off``: the timing model's doubles round as emulator/timing.py's do).
 
 ``python -m host_runtime.replay.native_build`` builds both (``make native``) and removes modules built from
@@ -18,11 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from driver.native import ApiModule
+from emulator import native_build as core_build
+from host_runtime.hymcache import native_master_build as master_build
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "native"
-CORE = HERE.parents[1] / "emulator" / "native"
-MASTER = HERE.parents[1] / "host_runtime" / "hymcache" / "native"
+CORE, MASTER = core_build.NATIVE, master_build.NATIVE
 LOCK = NATIVE / "build.lock"  # git-ignored (native/.gitignore)
 CFLAGS = ("-O2", "-std=c11", "-Wall", "-Wextra", "-Werror")
 
@@ -34,9 +36,9 @@ TRACE_READER = ApiModule(
 LOOP_SOURCES = (NATIVE / "replay_feed.c", NATIVE / "replay_loop.c", NATIVE / "replay_results.c")
 REPLAY_LOOP = ApiModule(
     "host_runtime.replay", "replay_loop", HERE, NATIVE / "replay_loop.h",
-    LOOP_SOURCES + (CORE / "chm_core.c", MASTER / "master_table.c"),
-    (NATIVE / "replay_loop.h", NATIVE / "replay_loop_internal.h", *LOOP_SOURCES, CORE / "chm_core.h",
-     CORE / "chm_core.c", MASTER / "master_table.h", MASTER / "master_table.c"),
+    LOOP_SOURCES + core_build.SOURCES + master_build.SOURCES,
+    (NATIVE / "replay_loop.h", NATIVE / "replay_loop_internal.h", *LOOP_SOURCES, *core_build.DIGESTED,
+     *master_build.DIGESTED),
     (NATIVE, CORE, MASTER), CFLAGS + ("-ffp-contract=off",), LOCK, ("m",))
 
 MODULES = (TRACE_READER, REPLAY_LOOP)

@@ -1,4 +1,4 @@
-"""The Python implementations the native core replaced (emulator/native/chm_core.c), kept as the
+"""The Python implementations the native core replaced (emulator/native/), kept as the
 models the property tests (test_native_core.py) compare it with: the frame table and LRU
 (emulator/frame_table.py), FIFO, CLOCK, SIEVE and S3-FIFO (emulator/policies/), the prefetch engine
 (emulator/prefetch.py) and write admission (emulator/write_buffer.py), as of the commit before the native

@@ -27,10 +27,14 @@ POLICIES = ["hymcache", "lru", "fifo", "clock", "sieve", "s3fifo"]
 ROOMY = {"dram.size_bytes": 256 * KiB}  # 64 frames: enough for every policy's queues (s3fifo's small queue)
 
 
-def controller(policy: str, **more) -> Controller:
-    """A tiny device with data off: only state and time."""
+def controller(policy: str, python: bool = False, **more) -> Controller:
+    """A tiny device with data off: only state and time; ``python``: its flusher on the Python path (a test that
+    watches or replaces the flusher's or the policy's methods: the native path does not call them)."""
     cfg = load_profile("small").with_overrides({**TINY, "emulation.data": False, "policy.name": policy, **more})
-    return Controller(cfg)
+    ctl = Controller(cfg)
+    if python:
+        ctl.flusher.to_python()
+    return ctl
 
 
 def before(t: float) -> float:
@@ -153,7 +157,7 @@ def test_every_flush_landing_is_an_event_when_real_io_waits_to_be_collected(medi
 
 # ---- running the events ------------------------------------------------------------------------------
 def test_run_until_runs_each_event_at_its_own_time_and_never_past_until():
-    ctl = controller("lru")
+    ctl = controller("lru", python=True)
     delay = ctl.cfg.policy.lru_writeback_delay_ns
     started = []
     start_flush = ctl.flusher.start_flush
@@ -168,7 +172,7 @@ def test_run_until_runs_each_event_at_its_own_time_and_never_past_until():
 
 
 def test_run_until_refuses_a_deadline_at_which_the_policy_grants_nothing():
-    ctl = controller("lru", **{"policy.lru_writeback_delay_ns": 1e12})
+    ctl = controller("lru", python=True, **{"policy.lru_writeback_delay_ns": 1e12})
     ctl.write(0, None, PAGE, 0.0)
     ctl.policy.next_flush_at = lambda dirty, now, reads_idle_at: now  # says "now", grants nothing
     with pytest.raises(RuntimeError, match="policy 'lru': next_flush_at said a flush is due at .* but flush_grant "
@@ -177,7 +181,7 @@ def test_run_until_refuses_a_deadline_at_which_the_policy_grants_nothing():
 
 
 def test_a_flusher_backing_off_has_no_flush_event_but_a_wall_time_retry():
-    ctl = controller("lru")
+    ctl = controller("lru", python=True)
     done = ctl.write(0, None, PAGE, 0.0).finish
     assert ctl.retry_wait_s() is None
     ctl.flusher.media_error, ctl.flusher._retry_at = OSError("test"), float("inf")  # as _media_failed leaves it

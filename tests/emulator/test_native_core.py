@@ -309,13 +309,6 @@ def test_the_loaded_core_is_built_from_the_current_sources():
     assert native.lib.chm_core_mutation() == native.lib.CHM_MUTATION_NONE
 
 
-def test_the_unity_shim_the_replay_compiles_is_current():
-    """host_runtime/replay compiles the core as one file (chm_core.c): it must include every source and name
-    their digest, so its module is rebuilt with theirs (importing emulator.native rewrites it)."""
-    assert native_build.UNITY_SHIM.read_text() == native_build.unity_shim()
-    assert len(native_build.SOURCES) > 1 and native_build.HEADER in native_build.DIGESTED
-
-
 # ---- the prefetch engine and write admission -----------------------------------------------------
 
 def outcome(call, *args):

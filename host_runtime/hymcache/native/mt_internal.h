@@ -3,7 +3,6 @@
  *   mt_index.c       the key index (hashing), the row lists (put_start order, LRU with its leased prefix), rows
  *   mt_space.c       the device's space (write head, freed extents), the drain heap, time, drop, expiry, eviction
  *   mt_calls.c       the calls of master_table.h (the Master's methods) and the state the tests compare
- *   master_table.c   all three as one file, for the replay's build (generated: native_master_build.unity_shim)
  *
  * Each function names the part of host_runtime/hymcache/master.py (master_table.py, allocator.py) it follows.
  * Shared functions are mti_*: the replay links this beside the emulator's core, whose names are plain. */

@@ -1,11 +1,11 @@
 /* The replay's request loop in C: host_runtime/replay/driver.py's Replay (its ``_request``, ``_stream``,
  * ``_sequential`` and the heap of ``run``) for the variants that read on demand (lru, hymcache-noprefetch) on a
  * device whose data-off operations are native (a built-in frame-table policy: one area), with the runtime's
- * Master as the native table (host_runtime/hymcache/native/master_table.c).
+ * Master as the native table (host_runtime/hymcache/native/mt_*.c).
  *
  * One definition of the decisions: driver.py's Python loop is the specification and
  * tests/host_runtime/test_native_replay.py runs the two side by side on every workload and mode and demands the
- * same report, device state and Master state. The operations are the device's own (chm_core.c: chm_dev_tick,
+ * same report, device state and Master state. The operations are the device's own (emulator/native/: chm_dev_tick,
  * chm_dev_read_hit, chm_dev_read, chm_dev_write, chm_dev_flush, chm_dev_run_until, the calls Controller.read,
  * write, flush and run_until make on a native device) and the Master's (mt_lookup, mt_put_start, mt_put_end,
  * mt_put_revoke), on the structs the Python Controller and NativeMaster own (passed in as pointers): the
@@ -21,7 +21,7 @@
  * stops the feed with RP_E_UNSORTED: the caller feeds the whole phase before running it.
  *
  * Built by host_runtime/replay/native_build.py (REPLAY_LOOP: cffi API mode, replay_feed.c, replay_loop.c and
- * replay_results.c behind replay_loop_internal.h, with chm_core.c and master_table.c); used through
+ * replay_results.c behind replay_loop_internal.h, with the core's and the Master table's sources); used through
  * host_runtime/replay/native_replay.py.
  */
 #ifndef REPLAY_LOOP_H

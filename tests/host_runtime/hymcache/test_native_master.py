@@ -1,4 +1,4 @@
-"""The replay's native index (host_runtime/hymcache/native_master.py, native/master_table.c) makes the Python
+"""The replay's native index (host_runtime/hymcache/native_master.py, native/mt_*.c) makes the Python
 Master's decisions.
 
 Twins: a Python ``Master`` and a ``NativeMaster``, each on its own ManualClock, one node of one device, get
@@ -414,12 +414,3 @@ def test_a_planted_wrong_decision_is_caught(mutation):
 
 def test_the_build_in_use_plants_nothing():
     assert load_module().lib.mt_mutation() == load_module().lib.MT_MUTATION_NONE
-
-
-def test_the_unity_shim_the_replay_compiles_is_current():
-    """native/master_table.c includes every source, with their digest: the replay's module rebuilds with them."""
-    from host_runtime.hymcache import native_master_build
-
-    assert native_master_build.UNITY_SHIM.read_text() == native_master_build.unity_shim(), \
-        "run: python -m host_runtime.hymcache.native_master_build"
-    assert native_master_build.UNITY_SHIM not in native_master_build.SOURCES
