@@ -6,6 +6,7 @@ classes) so they can reach inside. Every turn is checked against the reference e
 off, full recomputation): greedy tokens identical, and the first token's logits bit for bit.
 """
 
+import contextlib
 import errno
 import json
 import queue
@@ -190,23 +191,27 @@ def test_master_killed_mid_run_means_recomputation_and_a_restarted_master_serves
     assert run.third.output_token_ids == run.first.output_token_ids
 
 
-@pytest.fixture
-def in_process_set(tmp_path):
-    """A device (started with ``device_args``), a Master and a KV Manager in process."""
-    made = []
-
-    def make(*device_args):
-        d0 = Server(tmp_path / "m0", None, *device_args)
-        made.append(d0)
+@contextlib.contextmanager
+def in_process_pieces(work, *device_args):
+    """A device (started with ``device_args``), a Master and a KV Manager in process: (master, manager, device)."""
+    with Server(work / "m0", None, *device_args) as d0:
         clock = WallClock()
         master = Master(clock)
-        manager = KVManager(0, [d0.node], master, clock)
-        made.extend([master, manager])
-        return master, manager, d0
+        try:
+            manager = KVManager(0, [d0.node], master, clock)
+            try:
+                yield master, manager, d0
+            finally:
+                manager.close()
+        finally:
+            master.close()
 
-    yield make
-    for obj in reversed(made):
-        obj.__exit__(None, None, None) if isinstance(obj, Server) else obj.close()
+
+@pytest.fixture
+def in_process_set(tmp_path):
+    """``in_process_set(*device_args)``: in_process_pieces in the test's directory, closed after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *device_args: stack.enter_context(in_process_pieces(tmp_path, *device_args))
 
 
 def run_turns(model, tok, master, manager, prompts_text, *, config=None, wrap_manager=None, turns=3,
