@@ -111,9 +111,9 @@ class SequentialOps:
             return problem
         if not self.native_read or not _policy_runs_sequentially(self.policy):
             return f"policy {self.policy.name!r} is not a built-in frame-table cache without a write buffer"
-        from .controller import Controller  # its own read and write (a subclass may have others)
-
-        if type(self).read is not Controller.read or type(self).write is not Controller.write \
+        # the controller's own read and write: those of the class built on this mixin (a subclass may have others)
+        own = next(c for c in type(self).__mro__ if SequentialOps in c.__bases__)
+        if type(self).read is not own.read or type(self).write is not own.write \
                 or {"read", "write"} & vars(self).keys():
             return "read or write is not the controller's own"
         if self.flush != self.flusher.flush or self.tick != self.flusher.tick:

@@ -30,8 +30,8 @@ a zero-copy frame, staged in host memory bounded by ``staging_buffer_size``).
 
 Block bytes: ``[layer][k, v][token][kv_head][head_dim]``, float32, little-endian; checksum xxh3_64.
 
-The multi-turn SmolLM2 demo on ``PagedEngine`` (``chat``, ``next_turn_prompt``) lives with
-``chm hymcache chat`` in ``commands/chat.py``; its names are re-exported here.
+The multi-turn SmolLM2 demo on ``PagedEngine`` lives with ``chm hymcache chat`` (commands/chat.py), its
+conversation in prompts.py.
 """
 
 from __future__ import annotations
@@ -73,16 +73,3 @@ def connector_pair(config: HyMCacheConfig | dict | None = None, *, master=None, 
                                        clock=clock, log=log)
     worker = HyMCacheConnectorWorker(cfg, master=master, manager_for_node=manager_for_node, clock=clock, log=log)
     return sched, worker
-
-
-# the demo's names, from their home with `chm hymcache chat` (imported on first use: it needs the CLI's modules)
-_DEMO_NAMES = {"chat": "in_process_chat", "next_turn_prompt": "next_turn_prompt", "OPENINGS": "OPENINGS",
-               "FOLLOW_UPS": "FOLLOW_UPS"}
-
-
-def __getattr__(name: str):
-    if name in _DEMO_NAMES:
-        from .commands import chat as demo
-
-        return getattr(demo, _DEMO_NAMES[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

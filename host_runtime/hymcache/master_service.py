@@ -17,7 +17,7 @@ from .commands.common import PORT_MAX, _bind
 from .rpc import RpcServer
 
 if TYPE_CHECKING:
-    from .master import Master
+    from .master_core import Master
 
 MASTER_METHODS = ("register_node", "nodes", "lookup", "put_start", "put_end", "put_revoke", "remove", "stats")
 # Served with keys, who may call what (auth.py): a KV Manager's calls are a node's; monitor is read-only.
@@ -134,7 +134,7 @@ def start_master(options: MasterOptions, *, clock: Clock | None = None,
     """The one start-up path: a Master (recovered from ``options.state_dir``), bound to ``options.endpoint``
     (a bind failure: ChmError naming the address), with its metrics exporter; not serving yet. ``clock``: a
     test's ManualClock (default the wall's)."""
-    from .master import Master
+    from .master_core import Master
     from .metrics import StatsExporter, chain_tick
 
     if not isinstance(options, MasterOptions):

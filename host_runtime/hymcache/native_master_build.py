@@ -59,8 +59,7 @@ def stale_modules() -> list[Path]:
 
 
 def main() -> None:
-    from .native_master import load_module
-    module = load_module()
+    module = native.load_or_build(module_name(), build, LOCK)
     for old in stale_modules():
         old.unlink()
     print(module.__file__)

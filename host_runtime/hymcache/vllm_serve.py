@@ -190,7 +190,7 @@ def chat(server: VllmServer, reference: VllmServer | None, turns: int, conversat
     from host_runtime.hybridgen.model import SmolLM2
     from host_runtime.hybridgen.tokenizer import Tokenizer
 
-    from .commands.chat import next_turn_prompt
+    from .prompts import next_turn_prompt
 
     tok = Tokenizer.from_gguf(SmolLM2.load().tokenizer_reader)
     rows = []

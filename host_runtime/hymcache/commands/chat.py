@@ -17,6 +17,7 @@ from common.cli import UsageError
 from common.units import format_bytes
 from driver.errors import ChmError
 
+from ..prompts import FOLLOW_UPS, OPENINGS, next_turn_prompt
 from .common import _curve
 from .up import HyMCacheSet
 
@@ -99,18 +100,6 @@ def _chat(args) -> int:
 
 
 # ---- the SmolLM2 multi-turn demo in process, on PagedEngine ---------------------------------
-OPENINGS = ("What is the capital of France?", "Name a fruit that is yellow.", "What colour is the sky on a clear day?",
-            "How many legs does a spider have?")
-FOLLOW_UPS = ("And of Spain?", "Tell me one more.", "Why is that?", "Say it in one word.", "Thanks. Anything else?")
-
-
-def next_turn_prompt(context: list[int], answer: list[int], user_text: str, tokenizer) -> list[int]:
-    """The previous turn's prompt and answer, then the next user message in SmolLM2's chat template."""
-    ended = bool(answer) and answer[-1] == tokenizer.eos_id  # the answer closed its own turn
-    text = ("" if ended else "<|im_end|>") + f"\n<|im_start|>user\n{user_text}<|im_end|>\n<|im_start|>assistant\n"
-    return context + answer + tokenizer.encode(text)
-
-
 def in_process_chat(master=None, turns: int = 4, conversations: int = 3, *, curve_keys: str | None = None,
                     model=None, tokenizer=None, max_tokens: int = 8, config=None, manager_for_node=None,
                     num_blocks: int = 256, log=None) -> list[dict]:
