@@ -19,6 +19,7 @@ see vllm_launcher.py): the test extras install it, so its absence is a broken se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -110,34 +111,35 @@ def model_dir():
     return ensure_hf_folder()
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref") / "reference.json"
+def run_reference(model_dir: Path, out: Path) -> dict:
+    """The reference conversation (TURNS turns), vLLM without a connector in a process of its own."""
     proc = subprocess.run([sys.executable, "-m", "tests.host_runtime.hymcache.test_vllm_connector", str(model_dir),
                            str(TURNS), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def hymcache(tmp_path_factory):
-    """A Master, 2 devices and a KV Manager as processes, with CurveZMQ keys; the worker key's directory."""
-    keys = str(tmp_path_factory.mktemp("keys"))
-    auth.make_keys(keys, 1)
-    auth.add_key(keys, "worker", ["worker"])
-    hset = HyMCacheSet(nodes=1, devices_per_node=2, media_root=str(tmp_path_factory.mktemp("media")),
-                       curve_keys=keys, verbose=False, tag=f"vllmtest-{os.getpid()}")
+@contextlib.contextmanager
+def keyed_set(keys: str | None, media_root: str, tag: str, devices: int = 2, overrides=()):
+    """A Master, ``devices`` devices and a KV Manager as processes with CurveZMQ keys (made in ``keys``, a
+    directory, when it is None): (the set, the worker key's directory)."""
+    if keys is None:
+        keys = media_root + "-keys"
+        os.makedirs(keys)
+        auth.make_keys(keys, 1)
+        auth.add_key(keys, "worker", ["worker"])
+    hset = HyMCacheSet(nodes=1, devices_per_node=devices, media_root=media_root, curve_keys=keys, verbose=False,
+                       tag=f"{tag}-{os.getpid()}", device_overrides=overrides)
     with hset:
         yield hset, keys
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir, reference, hymcache):
-    """vLLM with the HyMCache connector (the reference engine has ended before this one starts)."""
+@contextlib.contextmanager
+def connector_engine(model_dir: Path, hset, keys: str):
+    """vLLM with the HyMCache connector on ``hset`` (no other vLLM engine may be alive in this process)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    hset, keys = hymcache
     extra = {"master_endpoint": hset.master_endpoint, "key_dir": keys, "key_name": "worker",
              "staging_buffer_size": 0.1, "blocking_timeout_secs": BLOCKING_TIMEOUT_S,
              "lookup_timeout_ms": LOOKUP_TIMEOUT_MS, "rpc_timeout_s": RPC_TIMEOUT_S}
@@ -156,9 +158,31 @@ def engine(model_dir, reference, hymcache):
         for kv in worker.worker.kv_caches:
             kv.zero_()
         return generate(prompt)
-    yield SimpleNamespace(llm=llm, scheduler=roles["SCHEDULER"], worker=worker, build_s=build_s, generate=scrubbed)
-    for c in roles.values():
-        c.shutdown()
+    try:
+        yield SimpleNamespace(llm=llm, scheduler=roles["SCHEDULER"], worker=worker, build_s=build_s,
+                              generate=scrubbed)
+    finally:
+        for c in roles.values():
+            c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    return run_reference(model_dir, tmp_path_factory.mktemp("ref") / "reference.json")
+
+
+@pytest.fixture(scope="module")
+def hymcache(tmp_path_factory):
+    """A Master, 2 devices and a KV Manager as processes, with CurveZMQ keys; the worker key's directory."""
+    with keyed_set(None, str(tmp_path_factory.mktemp("media")), "vllmtest") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, reference, hymcache):
+    """vLLM with the HyMCache connector (the reference engine has ended before this one starts)."""
+    with connector_engine(model_dir, *hymcache) as made:
+        yield made
 
 
 # ---- `vllm serve` through the launcher: HTTP, /metrics, and a second server that reuses the first's KV ----
@@ -517,9 +541,6 @@ def _timed(monkeypatch, cls, name: str) -> list[float]:
     return took
 
 
-HANG_S = 120.0  # a turn that takes longer hangs (a loaded 2-core machine computes a turn in ~1-15 s)
-
-
 def _switch(engine, monkeypatch, hset, keys, **settings):
     """Point the engine's connector at another set: new scheduler and worker halves (the facade's), the worker on
     the same KV tensors; monkeypatch puts the old ones back. Between requests only (no state in flight)."""
@@ -581,31 +602,26 @@ def test_a_full_write_buffer_skips_stores_counts_them_and_they_are_offered_again
         worker.shutdown()
 
 
-def test_the_master_stopped_means_lookups_time_out_and_requests_recompute(engine, reference, hymcache, monkeypatch):
-    """SIGSTOP of the Master: the request's lookup is never answered; within lookup_timeout_ms the scheduler
-    counts a lookup error and vLLM computes the whole prompt (tokens identical); the store's put_start fails
-    after rpc_timeout_s and its chunks are skipped. Nothing waits longer. Once the Master runs again, the
-    same prompt loads from the devices again."""
+def master_stopped_turn(engine, row: dict, hset, monkeypatch) -> SimpleNamespace:
+    """``row``'s prompt (stored) with the Master stopped (SIGSTOP) for the turn: the turn's output, the scheduler's
+    and worker's counter deltas, the lookup failures, the order of events, and the wall times bench_connector_faults
+    bounds (``lookup_s``: lookup asked to failed; ``bind_s``: the longest put_start step; ``turn_s``)."""
     import signal
 
     from host_runtime.hymcache.vllm_connector import HyMCacheScheduler, HyMCacheWorker
 
-    hset, _ = hymcache
-    row = reference["rows"][-1]
-    prompt = row["prompt"]
-    generate = engine.generate
-    assert generate(prompt) == row["output"]  # stored (nothing new after the earlier tests)
-    chunks = (len(prompt) - 1) // CS
     sched, worker = engine.scheduler.scheduler, engine.worker.worker
-    asked, failed = [], []
+    asked, failed, events = [], [], []
     real_ask, real_failed = HyMCacheScheduler.get_num_new_matched_tokens, HyMCacheScheduler._lookup_failed
 
     def ask(self, request, num_computed_tokens):
         asked.append(time.monotonic())
+        events.append("asked")
         return real_ask(self, request, num_computed_tokens)
 
     def lookup_failed(self, rid, st, exc):
         failed.append((time.monotonic(), exc))
+        events.append("failed")
         return real_failed(self, rid, st, exc)
 
     monkeypatch.setattr(HyMCacheScheduler, "get_num_new_matched_tokens", ask)
@@ -615,42 +631,55 @@ def test_the_master_stopped_means_lookups_time_out_and_requests_recompute(engine
     os.kill(hset.master.proc.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        output = generate(prompt)
-        elapsed = time.monotonic() - start
+        output = engine.generate(row["prompt"])
+        turn_s = time.monotonic() - start
     finally:
         os.kill(hset.master.proc.pid, signal.SIGCONT)
     monkeypatch.undo()
-    sd = {k: v - sb[k] for k, v in sched.stats().items()}
-    wd = {k: v - wb[k] for k, v in worker.stats().items()}
-    assert len(failed) == 1, "the lookup never failed in the scheduler (no lookup_timeout_ms)"
-    print(f"\nMaster stopped: the turn took {elapsed:.2f} s; lookup failed after "
-          f"{failed[0][0] - asked[0]:.2f} s ({failed[0][1]}); put_start step {max(binds):.2f} s")
-    assert output == row["output"], "greedy tokens differ after a lookup timed out"
-    assert sd["num_lookup_errors"] == 1 and sd["num_lookup_hits"] == 0 and len(failed) == 1
-    lookup_s = LOOKUP_TIMEOUT_MS / 1000
-    assert lookup_s <= failed[0][0] - asked[0] < lookup_s + 1.0  # at lookup_timeout_ms (before the RPC timeout)
-    assert wd["num_hit_tokens"] == 0 and wd["num_retrieve_requests"] == 0  # recomputed, nothing loaded
-    assert wd["num_skipped_stores"] == len(prompt) // CS and wd["num_stored_tokens"] == 0  # put_start timed out
-    assert max(binds) < RPC_TIMEOUT_S + 2.0 and elapsed < HANG_S  # the put_start waited rpc_timeout_s, no more
-    before = worker.stats()  # the Master runs again: the same prompt loads from the devices
-    assert generate(prompt) == row["output"]
-    assert worker.stats()["num_hit_tokens"] - before["num_hit_tokens"] == chunks * CS
+    return SimpleNamespace(output=output, failed=[exc for _, exc in failed], events=events,
+                           sched={k: v - sb[k] for k, v in sched.stats().items()},
+                           worker={k: v - wb[k] for k, v in worker.stats().items()},
+                           lookup_s=failed[0][0] - asked[0] if failed and asked else None,
+                           bind_s=max(binds, default=None), turn_s=turn_s)
 
 
-def test_a_device_killed_mid_load_means_load_errors_then_recomputation(engine, reference, hymcache, monkeypatch):
-    """kill -9 of the device that holds a prompt's chunks after the first chunk of the load arrived: the next
-    chunk fails (a load error, within blocking_timeout_secs), the first is kept, vLLM recomputes from the failed
-    one, the request's stores of the step are dropped, and the greedy tokens are the reference's. The device is
-    restarted afterwards (its blocks are from before the restart: stale)."""
-    from host_runtime.hymcache.vllm_connector import HyMCacheWorker
+def test_the_master_stopped_means_lookups_time_out_and_requests_recompute(engine, reference, hymcache, monkeypatch):
+    """SIGSTOP of the Master: the request's lookup is never answered; at lookup_timeout_ms the scheduler counts a
+    lookup error (ETIMEDOUT) and vLLM computes the whole prompt (tokens identical); the store's put_start fails
+    after rpc_timeout_s and its chunks are skipped. Once the Master runs again, the same prompt loads from the
+    devices again. (How long each wait takes: bench_connector_faults.)"""
+    import errno
 
     hset, _ = hymcache
     row = reference["rows"][-1]
     prompt = row["prompt"]
     generate = engine.generate
-    assert generate(prompt) == row["output"]  # stored
+    assert generate(prompt) == row["output"]  # stored (nothing new after the earlier tests)
+    chunks = (len(prompt) - 1) // CS
+    run = master_stopped_turn(engine, row, hset, monkeypatch)
+    worker = engine.worker.worker
+    print(f"\nMaster stopped: lookup failed with {run.failed}; events {run.events}")
+    assert len(run.failed) == 1, "the lookup never failed in the scheduler (no lookup_timeout_ms)"
+    # the scheduler gave up at its lookup_timeout_ms (not on an RPC's timeout), after the request asked
+    assert run.failed[0].errno == errno.ETIMEDOUT and "lookup_timeout_ms passed" in str(run.failed[0])
+    assert run.events.index("asked") < run.events.index("failed")
+    assert run.output == row["output"], "greedy tokens differ after a lookup timed out"
+    assert run.sched["num_lookup_errors"] == 1 and run.sched["num_lookup_hits"] == 0
+    assert run.worker["num_hit_tokens"] == 0 and run.worker["num_retrieve_requests"] == 0  # recomputed
+    assert run.worker["num_skipped_stores"] == len(prompt) // CS and run.worker["num_stored_tokens"] == 0  # put_start timed out
+    before = worker.stats()  # the Master runs again: the same prompt loads from the devices
+    assert generate(prompt) == row["output"]
+    assert worker.stats()["num_hit_tokens"] - before["num_hit_tokens"] == chunks * CS
+
+
+def device_killed_mid_load_turn(engine, row: dict, hset, monkeypatch) -> SimpleNamespace:
+    """``row``'s prompt (stored) again, its device killed (-9) once the load's first chunk arrived, then restarted
+    (its blocks are from before the restart: stale): the output, the worker's counter deltas, the chunks the load
+    asked for, the victims' exit codes, and the wall times bench_connector_faults bounds (``load_s``, ``turn_s``)."""
+    from host_runtime.hymcache.vllm_connector import HyMCacheWorker
+
     real = HyMCacheWorker._load_block
-    calls, victims = [], []
+    calls, victims, codes = [], [], []
 
     def killing(self, *args, **kwargs):
         calls.append(args[1])
@@ -658,7 +687,7 @@ def test_a_device_killed_mid_load_means_load_errors_then_recomputation(engine, r
             loc = args[2]
             victim = hset.devices[loc.node * hset.devices_per_node + loc.device]
             victim.proc.kill()  # kill -9
-            victim.proc.wait(timeout=30)
+            codes.append(victim.proc.wait(timeout=30))
             victims.append(victim)
         return real(self, *args, **kwargs)
 
@@ -668,74 +697,78 @@ def test_a_device_killed_mid_load_means_load_errors_then_recomputation(engine, r
     loads = _timed(monkeypatch, HyMCacheWorker, "start_load_kv")
     try:
         start = time.monotonic()
-        output = generate(prompt)
-        elapsed = time.monotonic() - start
+        output = engine.generate(row["prompt"])
+        turn_s = time.monotonic() - start
     finally:
         monkeypatch.undo()
-    delta = {k: v - before[k] for k, v in worker.stats().items()}
-    print(f"\ndevice killed mid-load: the turn took {elapsed:.2f} s, the load {max(loads):.2f} s; "
-          f"{delta['num_load_errors']} load error(s), {delta['num_hit_tokens']} tokens loaded")
-    try:
-        assert len(victims) == 1 and victims[0].proc.returncode == -9
-        assert len(calls) == 2  # the load stops at the failed chunk
-        assert delta["num_load_errors"] == 1 and delta["num_hit_tokens"] == CS
-        assert delta["num_stored_tokens"] == 0  # this step's KV of the request is not stored
-        assert output == row["output"], "greedy tokens differ after the device died mid-load"
-        assert max(loads) < BLOCKING_TIMEOUT_S + 2.0 and elapsed < HANG_S  # the load gave up in time
-    finally:
-        hset.restart(victims[0]) if victims else None
+        for victim in victims:
+            hset.restart(victim)
+    return SimpleNamespace(output=output, worker={k: v - before[k] for k, v in worker.stats().items()},
+                           calls=calls, victim_codes=codes, load_s=max(loads, default=None), turn_s=turn_s)
+
+
+def test_a_device_killed_mid_load_means_load_errors_then_recomputation(engine, reference, hymcache, monkeypatch):
+    """kill -9 of the device that holds a prompt's chunks after the first chunk of the load arrived: the next
+    chunk fails (a load error, at blocking_timeout_secs), the first is kept, vLLM recomputes from the failed
+    one, the request's stores of the step are dropped, and the greedy tokens are the reference's. The device is
+    restarted afterwards (its blocks are from before the restart: stale)."""
+    hset, _ = hymcache
+    row = reference["rows"][-1]
+    assert engine.generate(row["prompt"]) == row["output"]  # stored
+    run = device_killed_mid_load_turn(engine, row, hset, monkeypatch)
+    delta = run.worker
+    print(f"\ndevice killed mid-load: {delta['num_load_errors']} load error(s), {delta['num_hit_tokens']} tokens loaded")
+    assert run.victim_codes == [-9]
+    assert len(run.calls) == 2  # the load stops at the failed chunk
+    assert delta["num_load_errors"] == 1 and delta["num_hit_tokens"] == CS
+    assert delta["num_stored_tokens"] == 0  # this step's KV of the request is not stored
+    assert run.output == row["output"], "greedy tokens differ after the device died mid-load"
 
 
 READ_DELAY_MS = 1500.0
+SLOW_READS = [f"faults.read_delay_ms={READ_DELAY_MS}"]  # every media read of the device lands READ_DELAY_MS late
 
 
 @pytest.fixture(scope="module")
 def slow_read_set(hymcache, tmp_path_factory):
     """A third set: one device whose every media read lands READ_DELAY_MS late."""
-    _, keys = hymcache
-    hset = HyMCacheSet(nodes=1, devices_per_node=1, media_root=str(tmp_path_factory.mktemp("media-slow")),
-                       curve_keys=keys, verbose=False, tag=f"vllmslow-{os.getpid()}",
-                       device_overrides=[f"faults.read_delay_ms={READ_DELAY_MS}"])
-    with hset:
-        yield hset, keys
+    with keyed_set(hymcache[1], str(tmp_path_factory.mktemp("media-slow")), "vllmslow", 1, SLOW_READS) as made:
+        yield made
 
 
-def test_a_device_killed_while_its_media_reads_are_in_flight(engine, reference, slow_read_set, monkeypatch):
-    """A device whose media reads land READ_DELAY_MS late: a stored prompt, flushed to the media; the next turn's
-    lookup hints the chunks to the KV Manager, which starts their media reads; the worker's load starts before
-    those can have landed (checked: within READ_DELAY_MS of the lookup), and at that moment the device is
-    killed (-9). The load fails (a load error, within blocking_timeout_secs), vLLM recomputes, the greedy
-    tokens are the reference's. Without the kill the same load takes about READ_DELAY_MS (checked first)."""
+def killed_under_inflight_reads(engine, row: dict, hset, keys: str, monkeypatch) -> SimpleNamespace:
+    """On ``hset`` (slow_read_set's): ``row``'s prompt stored and flushed to the media; loaded once (``slow``: the
+    worker's counter deltas, its ``load_time_ns`` about READ_DELAY_MS); flushed again; then the load whose device
+    is killed (-9) as it starts: the output, the worker's counter deltas, the device's exit code, and the wall times
+    bench_connector_faults bounds (``kill_after_lookup_s``, ``load_s``, ``turn_s``)."""
     import libchm
 
     from host_runtime.hymcache.vllm_connector import HyMCacheScheduler, HyMCacheWorker
 
-    hset, keys = slow_read_set
-    row = reference["rows"][-1]
     prompt = row["prompt"]
-    chunks = (len(prompt) - 1) // CS
     sched, worker = _switch(engine, monkeypatch, hset, keys, model_name=f"slow-test-{os.getpid()}")
     device = hset.describe()["devices"][0]["path"]
     try:
-        assert engine.generate(prompt) == row["output"]  # stored
+        stored_output = engine.generate(prompt)
         with libchm.Device(device) as dev:
             dev.flush()  # on the media: a load reads it from there, READ_DELAY_MS late
         before = worker.stats()
-        assert engine.generate(prompt) == row["output"]
-        d = {k: v - before[k] for k, v in worker.stats().items()}
-        assert d["num_hit_tokens"] == chunks * CS and d["load_time_ns"] >= READ_DELAY_MS * 1e6 * 0.9, d
+        slow_output = engine.generate(prompt)
+        slow = {k: v - before[k] for k, v in worker.stats().items()}
         with libchm.Device(device) as dev:
             dev.flush()
-        asked, killed = [], []
+        asked, killed, order = [], [], []
         real_ask, real_block = HyMCacheScheduler.get_num_new_matched_tokens, HyMCacheWorker._load_block
 
         def ask(self, request, num_computed_tokens):
             asked.append(time.monotonic())
+            order.append("asked")
             return real_ask(self, request, num_computed_tokens)
 
         def load_block(self, *args, **kwargs):
             if not killed:  # the load starts: its chunks' media reads (hinted at the lookup) are still in flight
                 killed.append(time.monotonic())
+                order.append("killed")
                 victim = hset.devices[0]
                 victim.proc.kill()  # kill -9
                 victim.proc.wait(timeout=30)
@@ -748,20 +781,39 @@ def test_a_device_killed_while_its_media_reads_are_in_flight(engine, reference, 
             before = worker.stats()
             start = time.monotonic()
             output = engine.generate(prompt)
-            elapsed = time.monotonic() - start
-        d = {k: v - before[k] for k, v in worker.stats().items()}
-        print(f"\ndevice killed {killed[0] - asked[0]:.2f} s after the lookup (reads land {READ_DELAY_MS / 1e3:g} s "
-              f"late): the load {max(loads):.2f} s, {d['num_load_errors']} load error(s), {d['num_hit_tokens']} tokens "
-              f"loaded, the turn {elapsed:.2f} s")
-        assert killed and killed[0] - asked[0] < READ_DELAY_MS / 1e3  # the reads cannot have landed yet
-        assert hset.devices[0].proc.returncode == -9
-        assert d["num_load_errors"] == 1 and d["num_hit_tokens"] == 0  # the first chunk fails: all recomputed
-        assert output == row["output"], "greedy tokens differ after the device died under in-flight reads"
-        assert max(loads) < BLOCKING_TIMEOUT_S + 2.0 and elapsed < HANG_S
+            turn_s = time.monotonic() - start
+        return SimpleNamespace(stored_output=stored_output, slow_output=slow_output, slow=slow, output=output,
+                               worker={k: v - before[k] for k, v in worker.stats().items()},
+                               asked_before_kill="killed" in order and order.index("asked") < order.index("killed"),
+                               victim_code=hset.devices[0].proc.returncode,
+                               kill_after_lookup_s=killed[0] - asked[0] if asked and killed else None,
+                               load_s=max(loads, default=None), turn_s=turn_s)
     finally:
         monkeypatch.undo()
         sched.shutdown()
         worker.shutdown()
+
+
+def test_a_device_killed_while_its_media_reads_are_in_flight(engine, reference, slow_read_set, monkeypatch):
+    """A device whose media reads land READ_DELAY_MS late: a stored prompt, flushed to the media; the next turn's
+    lookup hints the chunks to the KV Manager, which starts their media reads; the worker's load starts, and at
+    that moment the device is killed (-9). The load fails (a load error), vLLM recomputes, the greedy tokens are
+    the reference's. Without the kill the same load is whole (checked first). (That the kill comes before the
+    reads can land, that the slow load takes about READ_DELAY_MS and how long the failed one takes:
+    bench_connector_faults.)"""
+    hset, keys = slow_read_set
+    row = reference["rows"][-1]
+    chunks = (len(row["prompt"]) - 1) // CS
+    run = killed_under_inflight_reads(engine, row, hset, keys, monkeypatch)
+    d = run.worker
+    print(f"\ndevice killed under in-flight reads: {d['num_load_errors']} load error(s), {d['num_hit_tokens']} "
+          f"tokens loaded")
+    assert run.stored_output == row["output"] and run.slow_output == row["output"]
+    assert run.slow["num_hit_tokens"] == chunks * CS and run.slow["num_load_errors"] == 0, run.slow
+    assert run.asked_before_kill  # the lookup (which hints the reads) came first, then the load and the kill
+    assert run.victim_code == -9
+    assert d["num_load_errors"] == 1 and d["num_hit_tokens"] == 0  # the first chunk fails: all recomputed
+    assert run.output == row["output"], "greedy tokens differ after the device died under in-flight reads"
 
 
 if __name__ == "__main__":  # the reference process: MODEL_DIR TURNS OUT.json
