@@ -233,20 +233,15 @@ def bench_lookups(n_entries: int, rounds: int, reps: int) -> dict:
 
 
 def _bytes_per_entry(master) -> dict:
-    """The Master's metadata per entry: its own measuring function (tracemalloc over a filled Master) and
-    its count of the live Master of (a)."""
-    from host_runtime.hymcache import master as mod
+    """The Master's metadata per entry: bench/master_footprint.py's measurement (tracemalloc over a filled
+    Master) and the count of the live Master of (a)."""
+    from bench.master_footprint import measure_bytes_per_entry
 
-    out = {}
-    measure = getattr(mod, "measure_bytes_per_entry", None)
-    if callable(measure):
-        m = measure()
-        out.update({k: m[k] for k in ("entries", "entry_bytes", "traced_bytes_per_entry",
-                                      "counted_bytes_per_entry") if k in m})
-    if callable(getattr(master, "metadata_bytes", None)):
-        live = master.metadata_bytes()
-        out["live_entries"], out["live_bytes_per_entry"] = live["entries"], live["bytes_per_entry"]
-    return out or {"error": "master.py offers no metadata measuring function (measure_bytes_per_entry)"}
+    m = measure_bytes_per_entry()
+    out = {k: m[k] for k in ("entries", "entry_bytes", "traced_bytes_per_entry", "counted_bytes_per_entry") if k in m}
+    live = master.metadata_bytes()
+    out["live_entries"], out["live_bytes_per_entry"] = live["entries"], live["bytes_per_entry"]
+    return out
 
 
 # --------------------------------------------------------------------------------------- (c) one 16 MiB block
