@@ -614,9 +614,10 @@ def master_stopped_turn(engine, row: dict, hset, monkeypatch) -> SimpleNamespace
     asked, failed, events = [], [], []
     real_ask, real_failed = HyMCacheScheduler.get_num_new_matched_tokens, HyMCacheScheduler._lookup_failed
 
-    def ask(self, request, num_computed_tokens):
+    def ask(self, request, num_computed_tokens):  # asked again at every step while the lookup is in flight
+        if not asked:
+            events.append("asked")
         asked.append(time.monotonic())
-        events.append("asked")
         return real_ask(self, request, num_computed_tokens)
 
     def lookup_failed(self, rid, st, exc):
