@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import require_oracle
+
 from emulator.frame_table import FrameTable
 from emulator.policies import policy_class
 
@@ -92,7 +94,7 @@ CASES = {  # name: (our params, libCacheSim cache for N frames)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("frames", SIZES)
 def test_hits_and_victims_equal_libcachesim(case, frames):
-    lcs = pytest.importorskip("libcachesim")
+    lcs = require_oracle("libcachesim")
     name = case.split("-")[0]
     params, make = CASES[case]
     for seed in SEEDS:

@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from tests.conftest import require_oracle
+
 from emulator import ConfigError, Device, load_profile
 from emulator.frame_table import FrameTable
 from emulator.policies import policy_class
@@ -15,7 +17,7 @@ from emulator.policies.libcachesim import trial_problem
 from .conftest import KiB, TINY
 from .test_policy_eviction import run_table
 
-lcs = pytest.importorskip("libcachesim")
+lcs = require_oracle("libcachesim")  # the oracle: missing, these tests fail with the install hint
 
 ROOMY = {**TINY, "dram.size_bytes": 32 * 4 * KiB}  # 32 frames
 
