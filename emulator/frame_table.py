@@ -136,7 +136,8 @@ class EvictionPolicy:
 
 
 class NativeOrder(EvictionPolicy):
-    """An eviction policy of the native core (``kind``: a ``CHM_POLICY_*`` of ``chm_core.h``).
+    """An eviction policy of the native core: the one its ``emulator/native/policy_*.c`` registers as
+    ``native_name`` (``kind``, its number, is the core's ``chm_policy_kind`` of that name, looked up once).
 
     In a frame table it is that table's set ``set_index``: the table runs it in C, and this object only
     reads its sizes. On its own (``LruOrder(8)``, or a subclass's inherited operations) it drives a
@@ -144,6 +145,7 @@ class NativeOrder(EvictionPolicy):
     then asked of every resident page per ``evict``/``to_evict`` (slow, as for a plug-in).
     """
 
+    native_name = "external"
     kind: int = lib.CHM_POLICY_EXTERNAL
     OPS = ("find", "hit", "insert", "evict", "to_evict", "remove")  # a subclass overriding one is a plug-in
 
@@ -152,6 +154,13 @@ class NativeOrder(EvictionPolicy):
         self.params = self.default_params() if params is None else params
         self._table: FrameTable | None = None
         self.set_index = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "native_name" in cls.__dict__:
+            cls.kind = lib.chm_policy_kind(cls.native_name.encode())
+            if cls.kind < 0:
+                raise ValueError(f"{cls.__name__}: the native core has no policy named {cls.native_name!r}")
 
     def native_params(self) -> dict[str, Any]:
         """The ``struct chm_policy_params`` fields besides ``kind`` (from ``self.params``)."""
@@ -254,7 +263,7 @@ class _PinnedFor:
 class LruOrder(NativeOrder):
     """Least recently used. Pinned pages are skipped where they stand: they keep their place in the order."""
 
-    kind = lib.CHM_POLICY_LRU
+    native_name = "lru"
 
     @property
     def order(self) -> QueueView:

@@ -39,7 +39,9 @@
 
 #define CHM_NO_PAGE 0xffffffffffffffff  /* "no page": an empty frame, no victim */
 
-/* Eviction policies (emulator/policies/<name>.py documents each one's decisions). */
+/* Eviction policies (emulator/policies/<name>.py documents each one's decisions): a kind is
+ * chm_policy_kind(name) (each emulator/native/policy_*.c registers its own); the built-ins' numbers are
+ * these too, for C callers. */
 #define CHM_POLICY_EXTERNAL 0   /* a Python plug-in chooses the victims; the table keeps the rest */
 #define CHM_POLICY_LRU 1
 #define CHM_POLICY_FIFO 2
@@ -98,6 +100,8 @@ struct chm_ft;                      /* a frame table: sets of ways, page index, 
 int chm_core_mutation(void);        /* the CHM_MUTATION_* this build plants (CHM_MUTATION_NONE) */
 /* The sizes a policy derives for a set of `ways` ways; CHM_E_ARG for parameters it cannot work with. */
 int chm_policy_info(uint32_t ways, const struct chm_policy_params *policy, struct chm_policy_info *out);
+/* The kind (chm_policy_params.kind) of the policy registered as `name` ("lru"); -1: none is. */
+int64_t chm_policy_kind(const char *name);
 
 int  chm_ft_new(uint32_t frames, uint32_t ways, const struct chm_policy_params *policy, struct chm_ft **out);
 void chm_ft_free(struct chm_ft *ft);

@@ -1,18 +1,31 @@
-/* The policies' table by kind (policy.h), chm_policy_info, and what several policies share. */
+/* The policies' registry (policy.h): by kind and by name, chm_policy_info, and what several policies share. */
+#include <string.h>
+
 #include "policy.h"
 
-static const struct chm_policy_ops *const chm_policies[] = {
-    [CHM_POLICY_EXTERNAL] = &chm_policy_external,
-    [CHM_POLICY_LRU] = &chm_policy_lru,
-    [CHM_POLICY_FIFO] = &chm_policy_fifo,
-    [CHM_POLICY_CLOCK] = &chm_policy_clock,
-    [CHM_POLICY_SIEVE] = &chm_policy_sieve,
-    [CHM_POLICY_S3FIFO] = &chm_policy_s3fifo,
-};
+/* The registry: every policy's CHM_POLICY entry, gathered by the linker (GNU ld defines these two). */
+extern const struct chm_policy_entry __start_chm_policies[], __stop_chm_policies[];
+
+static uint32_t policy_kind_of(const struct chm_policy_entry *e)
+{
+    return e->kind != CHM_POLICY_UNNUMBERED ? e->kind
+                                            : CHM_POLICY_FIRST_UNNUMBERED + (uint32_t)(e - __start_chm_policies);
+}
 
 const struct chm_policy_ops *chm_policy_ops_of(uint32_t kind)
 {
-    return kind < sizeof chm_policies / sizeof *chm_policies ? chm_policies[kind] : NULL;
+    for (const struct chm_policy_entry *e = __start_chm_policies; e < __stop_chm_policies; e++)
+        if (policy_kind_of(e) == kind)
+            return e->ops;
+    return NULL;
+}
+
+int64_t chm_policy_kind(const char *name)
+{
+    for (const struct chm_policy_entry *e = __start_chm_policies; e < __stop_chm_policies; e++)
+        if (!strcmp(e->ops->name, name))
+            return policy_kind_of(e);
+    return -1;
 }
 
 int chm_policy_info(uint32_t ways, const struct chm_policy_params *policy, struct chm_policy_info *out)

@@ -1,15 +1,17 @@
 /* The frame table's eviction policies, as a table of functions (libCacheSim's cache_t does the same):
  * chm_ft_new looks its policy's up once by kind (chm_policy_ops_of) and every decision goes through it.
+ * Each policy's .c registers itself (CHM_POLICY): the registry is what the linker gathers in the
+ * chm_policies section, so no other file lists the policies.
  *
- * Adding a device policy "foo":
- *   1. policy_foo.c: its functions and `const struct chm_policy_ops chm_policy_foo = {.kind = ..., ...}`
- *      (policy_lru.c is the smallest; per-set state goes in struct chm_set / chm_ft of
- *      chm_core_internal.h, per-table state is allocated by .init and freed by .destroy);
- *   2. its number: CHM_POLICY_FOO in chm_core.h, its line in chm_policies[] (policy.c) and its
- *      declaration below; emulator/native_build.py compiles every *.c here;
- *   3. emulator/policies/foo.py: a NativeOrder subclass with `kind = lib.CHM_POLICY_FOO`, registered
+ * Adding a device policy "foo" (three files, nothing else to edit):
+ *   1. emulator/native/policy_foo.c: its functions, `static const struct chm_policy_ops chm_policy_foo =
+ *      {.name = "foo", ...}` and `CHM_POLICY(chm_policy_foo);` (policy_lru.c is the smallest; per-set state
+ *      goes in struct chm_set / chm_ft of chm_core_internal.h, per-table state is allocated by .init and
+ *      freed by .destroy); emulator/native_build.py compiles every *.c here, and the core numbers it
+ *      (chm_policy_kind("foo"));
+ *   2. emulator/policies/foo.py: a NativeOrder subclass with `native_name = "foo"`, registered
  *      (emulator/policies/sieve.py is the model);
- *   4. one test: its entry in CASES of tests/emulator/test_policy_eviction.py (libCacheSim's cache of the
+ *   3. one test: its entry in CASES of tests/emulator/test_policy_eviction.py (libCacheSim's cache of the
  *      same algorithm), which runs every test there on it: hits and victims against libCacheSim,
  *      to_evict, pinned pages, invalidation.
  * Then chm_ft_check (tests/emulator/native_core_stress.c under ASan) and the DRAM-hit read take it as they
@@ -23,7 +25,7 @@
 #pragma GCC visibility push(hidden)
 
 struct chm_policy_ops {
-    uint32_t kind;  /* CHM_POLICY_* (stats and errors only: decisions go through the functions) */
+    const char *name;  /* what chm_policy_kind and a Python policy's native_name call it */
     /* The sizes it derives for a set of `ways` ways (out is zeroed); CHM_E_ARG for parameters it cannot
      * work with. NULL: none. */
     int (*info)(uint32_t ways, const struct chm_policy_params *params, struct chm_policy_info *out);
@@ -45,8 +47,22 @@ struct chm_policy_ops {
     int (*check)(const struct chm_ft *ft, const struct chm_set *s);
 };
 
-extern const struct chm_policy_ops chm_policy_external, chm_policy_lru, chm_policy_fifo, chm_policy_clock,
-    chm_policy_sieve, chm_policy_s3fifo;
+/* One registered policy: its functions and its kind (chm_policy_params.kind). */
+struct chm_policy_entry {
+    const struct chm_policy_ops *ops;
+    uint32_t kind;  /* a built-in's CHM_POLICY_* of chm_core.h, else CHM_POLICY_UNNUMBERED */
+};
+
+#define CHM_POLICY_UNNUMBERED UINT32_MAX
+/* An unnumbered policy's kind: this plus its place in the registry (the link order of the sources). */
+#define CHM_POLICY_FIRST_UNNUMBERED 64u
+
+/* Registers policy `ops` (a struct chm_policy_ops of its .c, at file scope). CHM_POLICY_NUMBERED: with
+ * the number chm_core.h gives a built-in (C callers write CHM_POLICY_LRU). */
+#define CHM_POLICY_NUMBERED(ops, number)                                                                   \
+    static const struct chm_policy_entry chm_policy_entry_##ops __attribute__((used, section("chm_policies"))) \
+        = {&(ops), (number)}
+#define CHM_POLICY(ops) CHM_POLICY_NUMBERED(ops, CHM_POLICY_UNNUMBERED)
 
 const struct chm_policy_ops *chm_policy_ops_of(uint32_t kind);  /* NULL: no such policy */
 

@@ -54,8 +54,8 @@ static int32_t clock_to_evict(struct chm_ft *ft, struct chm_set *s)
     return victim;
 }
 
-const struct chm_policy_ops chm_policy_clock = {
-    .kind = CHM_POLICY_CLOCK,
+static const struct chm_policy_ops chm_policy_clock = {
+    .name = "clock",
     .info = clock_info,
     .inserted = policy_push_main,
     .hit = clock_hit,
@@ -64,3 +64,4 @@ const struct chm_policy_ops chm_policy_clock = {
     .to_evict = clock_to_evict,
     .check = policy_check_no_hand,
 };
+CHM_POLICY_NUMBERED(chm_policy_clock, CHM_POLICY_CLOCK);

@@ -13,8 +13,8 @@ static int32_t external_to_evict(struct chm_ft *ft, struct chm_set *s)
     return NONE;
 }
 
-const struct chm_policy_ops chm_policy_external = {
-    .kind = CHM_POLICY_EXTERNAL,
+static const struct chm_policy_ops chm_policy_external = {
+    .name = "external",
     .inserted = external_inserted,
     .hit = policy_no_hit,     /* the caller tells the plug-in */
     .removed = policy_no_hit,
@@ -22,3 +22,4 @@ const struct chm_policy_ops chm_policy_external = {
     .to_evict = external_to_evict,
     .check = policy_check_no_hand,
 };
+CHM_POLICY_NUMBERED(chm_policy_external, CHM_POLICY_EXTERNAL);

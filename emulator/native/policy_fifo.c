@@ -16,8 +16,8 @@ static int32_t fifo_evict(struct chm_ft *ft, struct chm_set *s, int has_incoming
     return f;
 }
 
-const struct chm_policy_ops chm_policy_fifo = {
-    .kind = CHM_POLICY_FIFO,
+static const struct chm_policy_ops chm_policy_fifo = {
+    .name = "fifo",
     .inserted = policy_push_main,
     .hit = policy_no_hit,
     .removed = policy_unlink,
@@ -25,3 +25,4 @@ const struct chm_policy_ops chm_policy_fifo = {
     .to_evict = fifo_to_evict,
     .check = policy_check_no_hand,
 };
+CHM_POLICY_NUMBERED(chm_policy_fifo, CHM_POLICY_FIFO);

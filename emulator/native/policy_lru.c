@@ -28,8 +28,8 @@ static int32_t lru_evict(struct chm_ft *ft, struct chm_set *s, int has_incoming,
     return f;
 }
 
-const struct chm_policy_ops chm_policy_lru = {
-    .kind = CHM_POLICY_LRU,
+static const struct chm_policy_ops chm_policy_lru = {
+    .name = "lru",
     .inserted = policy_push_main,
     .hit = lru_hit,
     .removed = policy_unlink,
@@ -37,3 +37,4 @@ const struct chm_policy_ops chm_policy_lru = {
     .to_evict = lru_to_evict,
     .check = policy_check_no_hand,
 };
+CHM_POLICY_NUMBERED(chm_policy_lru, CHM_POLICY_LRU);

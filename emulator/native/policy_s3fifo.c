@@ -244,8 +244,8 @@ static int s3fifo_check(const struct chm_ft *ft, const struct chm_set *s)
     return 0;
 }
 
-const struct chm_policy_ops chm_policy_s3fifo = {
-    .kind = CHM_POLICY_S3FIFO,
+static const struct chm_policy_ops chm_policy_s3fifo = {
+    .name = "s3fifo",
     .info = s3fifo_info,
     .init = s3fifo_init,
     .destroy = s3fifo_destroy,
@@ -256,3 +256,4 @@ const struct chm_policy_ops chm_policy_s3fifo = {
     .to_evict = s3fifo_to_evict,
     .check = s3fifo_check,
 };
+CHM_POLICY_NUMBERED(chm_policy_s3fifo, CHM_POLICY_S3FIFO);

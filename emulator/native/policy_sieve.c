@@ -69,8 +69,8 @@ static int sieve_check(const struct chm_ft *ft, const struct chm_set *s)
     return 0;
 }
 
-const struct chm_policy_ops chm_policy_sieve = {
-    .kind = CHM_POLICY_SIEVE,
+static const struct chm_policy_ops chm_policy_sieve = {
+    .name = "sieve",
     .inserted = policy_push_main,
     .hit = sieve_hit,
     .removed = sieve_removed,
@@ -78,3 +78,4 @@ const struct chm_policy_ops chm_policy_sieve = {
     .to_evict = sieve_to_evict,
     .check = sieve_check,
 };
+CHM_POLICY_NUMBERED(chm_policy_sieve, CHM_POLICY_SIEVE);

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ..frame_table import NativeOrder
-from ..native import lib
 from . import param, register
 
 
@@ -14,7 +13,7 @@ class ClockOrder(NativeOrder):
     a hand passes a page it may not take: they go to the head with their counter unchanged. Runs in the
     native core (``CHM_POLICY_CLOCK``, emulator/native/policy_clock.c)."""
 
-    kind = lib.CHM_POLICY_CLOCK
+    native_name = "clock"
     config_fields = (param("n_bit_counter", int, 1, 8, default=1,
                            doc="bits of each page's reference counter (libCacheSim's n-bit-counter)"),)
 

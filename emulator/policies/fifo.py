@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ..frame_table import NativeOrder, QueueView
-from ..native import lib
 from . import register
 
 
@@ -12,7 +11,7 @@ class FifoOrder(NativeOrder):
     their place, and go first once unpinned). Runs in the native core (``CHM_POLICY_FIFO``,
     emulator/native/policy_fifo.c)."""
 
-    kind = lib.CHM_POLICY_FIFO
+    native_name = "fifo"
 
     @property
     def order(self) -> QueueView:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ..frame_table import NativeOrder
-from ..native import lib
 from . import param, register
 
 MIN_SMALL_FRAMES = 2  # libCacheSim admits no object as large as the small queue: with 1 frame nothing enters
@@ -24,7 +23,7 @@ class S3FifoOrder(NativeOrder):
     native core (``CHM_POLICY_S3FIFO``, emulator/native/policy_s3fifo.c), which derives the queue sizes
     (``small_capacity``, ``main_capacity``, ``ghost_capacity``: libCacheSim's integer parts)."""
 
-    kind = lib.CHM_POLICY_S3FIFO
+    native_name = "s3fifo"
     config_fields = (
         param("small_size_ratio", float, 0.001, 0.9, default=0.1, doc="share of the frames in the small FIFO queue"),
         param("ghost_size_ratio", float, 0.0, 8.0, default=0.9,

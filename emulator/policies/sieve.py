@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ..frame_table import NativeOrder
-from ..native import lib
 from . import register
 
 
@@ -14,7 +13,7 @@ class SieveOrder(NativeOrder):
     Pinned pages are passed over and keep their bit. Runs in the native core (``CHM_POLICY_SIEVE``,
     emulator/native/policy_sieve.c)."""
 
-    kind = lib.CHM_POLICY_SIEVE
+    native_name = "sieve"
 
 
 register("sieve", SieveOrder)

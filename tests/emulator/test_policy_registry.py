@@ -237,4 +237,4 @@ def test_eviction_policy_is_the_frame_tables_op_table():
 def test_each_native_cache_policy_is_its_c_file_behind_the_cores_policy_table(name):
     order = policy_class(name).eviction
     assert order.runs_natively() and (native_build.NATIVE / f"policy_{name}.c").is_file()
-    assert order(32).info() is not None  # chm_policy_info finds its kind in policy.c's table
+    assert order(32).info() is not None  # chm_policy_info finds its kind in the core's registry
