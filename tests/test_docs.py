@@ -41,8 +41,7 @@ def generated_result(target: Path) -> bool:
 
 def render(*args: str, env: dict | None = None) -> str:
     """man's text of a page, formatting stripped, at a fixed width and in the C locale."""
-    if shutil.which("man") is None:
-        pytest.skip("man(1) is not installed (Debian: man-db)")
+    assert shutil.which("man"), "man(1) is not installed: `make setup` installs Debian's man-db (APT_PACKAGES)"
     run_env = {**os.environ, "MANWIDTH": "100", "MANPAGER": "cat", "PAGER": "cat", "LC_ALL": "C", **(env or {})}
     out = subprocess.run(["man", *args], capture_output=True, text=True, env=run_env, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_oracle
+
 from emulator import ConfigError, Device, load_profile, native_build
 from emulator.config import FIELDS_BY_KEY
 from emulator.policies import (CachePolicy, EvictionPolicy, Policy, available, make_policy, name_problem, param,
@@ -27,7 +29,7 @@ ROOMY = {**TINY, "dram.size_bytes": 32 * 4 * KiB}  # 32 frames: s3fifo's small q
 def test_available_lists_the_built_ins_and_the_libcachesim_family():
     names = available()
     assert set(BUILT_IN) <= set(names)
-    pytest.importorskip("libcachesim")
+    require_oracle("libcachesim")
     assert {"libcachesim:ARC", "libcachesim:WTinyLFU", "libcachesim:LRU"} <= set(names)
     assert "libcachesim:Belady" not in names  # an offline optimum: not offered
 
@@ -39,7 +41,7 @@ def test_available_lists_the_built_ins_and_the_libcachesim_family():
 ])
 def test_unknown_names_say_what_is_available(name, words):
     if name.startswith("libcachesim"):
-        pytest.importorskip("libcachesim")
+        require_oracle("libcachesim")
     with pytest.raises(ConfigError) as exc:
         load_profile("small").with_overrides({"policy.name": name})
     assert exc.value.errno == errno.EINVAL
