@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import xxhash
@@ -191,3 +192,25 @@ class Worker:
 
     def close(self):
         self.engine.shutdown()
+
+
+def run_bounded(fn, limit_s: float):
+    """``fn()`` in a thread: (its result, its wall seconds: bench_connector_faults reads them), or a failure if it
+    is still running after ``limit_s`` (a hang). The bound stops a hang; it is not a timing assertion."""
+    box = {}
+
+    def body():
+        start = time.monotonic()
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        box["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"still running after {limit_s} s: it hangs"
+    if "error" in box:
+        raise box["error"]
+    return box["result"], box["seconds"]

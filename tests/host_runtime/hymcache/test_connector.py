@@ -30,6 +30,8 @@ from host_runtime.hymcache.manager import KVManager, ManagerClient, serve_manage
 from host_runtime.hymcache.master import Master, MasterClient
 from tests.emulator.serve.serving import ROOT, Server
 
+from .procs import run_bounded
+
 BS = 16
 BLOCK_BYTES = 30 * 2 * BS * 3 * 64 * 4  # SmolLM2: 30 layers x (k, v) x 16 tokens x 3 KV heads x 64 x float32
 # A 1 MiB write buffer that the device flushes only when full (one batch is all of it; no age limit). A block
@@ -116,25 +118,7 @@ HANG_S = 120.0  # a turn still running after this hangs (far beyond a slow CI); 
 
 
 def bounded(fn, limit_s: float = HANG_S):
-    """``fn()`` in a thread: (its result, its wall seconds, for bench_connector_faults), or a failure if it is
-    still running after ``limit_s`` (a hang)."""
-    box = {}
-
-    def body():
-        start = time.monotonic()
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # handed to the caller
-            box["error"] = exc
-        box["seconds"] = time.monotonic() - start
-
-    thread = threading.Thread(target=body, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    assert not thread.is_alive(), f"still running after {limit_s} s: the turn hangs"
-    if "error" in box:
-        raise box["error"]
-    return box["result"], box["seconds"]
+    return run_bounded(fn, limit_s)
 
 
 def _master_on(endpoint: str, state) -> Proc:

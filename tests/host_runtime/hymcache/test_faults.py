@@ -23,8 +23,8 @@ import torch
 
 from tests.emulator.serve.serving import ROOT, Server
 
-from .procs import (Worker, free_port, kill9, manager_proc, master_proc, prompt_tokens, random_keys, stop_proc,
-                    tiny_model)
+from .procs import (Worker, free_port, kill9, manager_proc, master_proc, prompt_tokens, random_keys, run_bounded,
+                    stop_proc, tiny_model)
 
 CHUNK = 4
 # a device whose write buffer (4 MiB) fills in a burst: one slow SSD, each flush takes seconds of modelled time
@@ -84,25 +84,6 @@ def same(req, ref_tokens, reference_req=None):
     assert req.output_token_ids == ref_tokens
     if reference_req is not None:
         assert torch.equal(req.first_token_logits, reference_req.first_token_logits)
-
-
-def run_bounded(fn, limit_s: float):
-    """``fn()`` in a thread; its result, or a failure if it is still running after ``limit_s`` (a hang)."""
-    box = {}
-
-    def body():
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # handed to the test
-            box["error"] = exc
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(limit_s)
-    assert not t.is_alive(), f"still running after {limit_s} s: the worker hangs"
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def test_master_killed_mid_run_worker_recomputes_and_restarted_master_recovers(pieces, model):
@@ -177,7 +158,7 @@ def test_device_killed_blocks_become_load_errors_never_wrong_tokens(pieces, mode
 
         prompt2 = prompt + req.output_token_ids + prompt_tokens(CHUNK, seed=6)
         errors = w.worker.counters["num_load_errors"]
-        req, ref_tokens = run_bounded(lambda: w.turn(prompt2), 120)
+        (req, ref_tokens), _ = run_bounded(lambda: w.turn(prompt2), 120)
         ref_req = w.reference.requests[req.request_id]
         same(req, ref_tokens, ref_req)                  # bit-identical logits: nothing wrong was loaded
         assert req.reused_tokens == 0                   # every block of the dead device recomputed
