@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     details["chm_replay_s"] = cli_s
     for row in rows:
         print("  ".join(f"{c:<40}" if i == 0 else f"{c:<18}" for i, c in enumerate(row)))
-    print(f"wrote {result_files.write('bench_event_time', rows, details, argv)}")
+    path = result_files.write("bench_event_time", rows, details, argv)
+    print(f"wrote {path}")
     return 0 if ok else 1
 
 
