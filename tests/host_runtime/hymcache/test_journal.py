@@ -110,7 +110,7 @@ def wait_for(cond, what: str, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while not (value := cond()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(0.02)  # the poll's interval: the other process's own clock (its put timeout) is under test
     return value
 
 
