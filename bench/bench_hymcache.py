@@ -351,7 +351,8 @@ def bench_block(block_bytes: int, rounds: int) -> dict:
             def run():
                 rid = f"bench-z{next(counter)}"
                 t0 = time.perf_counter()
-                manager.hint(rid, [key])
+                # the Master's lookup for this request: its read lease, which a served read needs (as the Lookup does)
+                manager.hint(rid, [key], master.lookup([key], request_id=rid))
                 token, frame = manager.read(rid, key, 30.0)   # the block as a zero-copy frame
                 if checked and xxhash.xxh3_64_intdigest(frame) != token.checksum:
                     raise AssertionError("ZeroMQ read: checksum mismatch")
