@@ -27,6 +27,7 @@ from common import cli
 from common.cli import float_in, int_at_least
 from emulator.serve.cli import parse_override
 
+from .checks import PLACEMENTS, MasterSettings
 from .commands.chat import CHAT_FIELDS, _chat  # noqa: F401 (re-exported)
 from .commands.common import (DEFAULT_MAX_RESTARTS, DEFAULT_STOP_TIMEOUT_S, PORT_MAX,  # noqa: F401 (re-exported)
                               READY_TIMEOUT_S, RESTART_WINDOW_S, STOP_SIGNALS)
@@ -57,7 +58,8 @@ def register(sub) -> None:
     _common_server_args(u)
     u.add_argument("--state-dir", metavar="DIR", help="the Master's snapshot and journal (default: none, in memory)")
     u.add_argument("--put-timeout", type=float_in(0, lo_open=True), metavar="S",
-                   help="the Master's put_start timeout in seconds (default: the Master's, 30)")
+                   help=f"the Master's put_start timeout in seconds (default: the Master's, "
+                        f"{MasterSettings().put_timeout_s:g})")
     u.add_argument("--metrics-port", type=_port, default=0, metavar="P",
                    help="the Master's Prometheus port; Manager i gets P+1+i (default 0: off)")
     u.add_argument("--stop-timeout", type=float_in(0, lo_open=True), default=DEFAULT_STOP_TIMEOUT_S, metavar="S",
@@ -80,20 +82,21 @@ def register(sub) -> None:
     m.add_argument("--recover-damaged", action="store_true",
                    help="start even if the state dir is damaged: keep what can be read, keep a copy of the damaged "
                         "files in DIR/damaged-N/ and report there what was lost (default: refuse to start)")
-    m.add_argument("--snapshot-every", type=int_at_least(1), default=100_000, metavar="N",
-                   help="write a snapshot and start a new journal every N records (default 100000)")
-    m.add_argument("--lease", type=float_in(0, lo_open=True), default=10.0, metavar="S",
-                   help="read lease granted by a lookup (default 10)")
-    m.add_argument("--lease-max", type=float_in(0, lo_open=True), default=30.0, metavar="S",
-                   help="a lease is never renewed past this long after its first grant (default 30)")
-    m.add_argument("--put-timeout", type=float_in(0, lo_open=True), default=30.0, metavar="S",
-                   help="a put_start without put_end is revoked after this long (default 30)")
-    m.add_argument("--high-watermark", type=float_in(0, 1, lo_open=True), default=0.90, metavar="F",
-                   help="evict when a device's used fraction passes this (default 0.90)")
-    m.add_argument("--low-watermark", type=float_in(0, 1, lo_open=True), default=0.85, metavar="F",
-                   help="... down to this (default 0.85)")
-    m.add_argument("--placement", choices=("round_robin", "load_aware"), default="round_robin",
-                   help="node chosen per store request (default round_robin)")
+    d = MasterSettings()  # the Master's defaults, declared once with their ranges (checks.py)
+    m.add_argument("--snapshot-every", type=int_at_least(1), default=d.snapshot_every, metavar="N",
+                   help=f"write a snapshot and start a new journal every N records (default {d.snapshot_every})")
+    m.add_argument("--lease", type=float_in(0, lo_open=True), default=d.lease_s, metavar="S",
+                   help=f"read lease granted by a lookup (default {d.lease_s:g})")
+    m.add_argument("--lease-max", type=float_in(0, lo_open=True), default=d.lease_max_s, metavar="S",
+                   help=f"a lease is never renewed past this long after its first grant (default {d.lease_max_s:g})")
+    m.add_argument("--put-timeout", type=float_in(0, lo_open=True), default=d.put_timeout_s, metavar="S",
+                   help=f"a put_start without put_end is revoked after this long (default {d.put_timeout_s:g})")
+    m.add_argument("--high-watermark", type=float_in(0, 1, lo_open=True), default=d.high_watermark, metavar="F",
+                   help=f"evict when a device's used fraction passes this (default {d.high_watermark:.2f})")
+    m.add_argument("--low-watermark", type=float_in(0, 1, lo_open=True), default=d.low_watermark, metavar="F",
+                   help=f"... down to this (default {d.low_watermark:.2f})")
+    m.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
+                   help=f"node chosen per store request (default {d.placement})")
     m.add_argument("--metrics-port", type=_port, default=0, metavar="P", help="Prometheus port (default 0: off)")
     m.set_defaults(func=_master)
 
