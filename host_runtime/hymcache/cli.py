@@ -183,6 +183,8 @@ def register(sub) -> None:
     register_simulate(hs)
     from .sim.sweep import register as register_sweep  # a grid of simulations on Dask distributed
     register_sweep(hs)
+    from .sim.claims import register as register_claims  # the paper's claims, judged at the presets
+    register_claims(hs)
 
 
 def _set_shape_args(p, whose: str) -> None:
