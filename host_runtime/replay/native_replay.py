@@ -20,6 +20,7 @@ import numpy as np
 
 from driver.errors import ChmError
 from .blocks import OBJECT_BLOCK_BITS, OutOfOrder, key_array  # noqa: F401 (OutOfOrder, key_array re-exported)
+from .bucket import Bucket
 from .native_build import REPLAY_LOOP
 
 
@@ -56,7 +57,7 @@ def native_problem(replay) -> str | None:
 class NativeLoop:
     """The C loop on ``replay``'s controller and Master (driver.Replay, ``native_problem`` None)."""
 
-    def __init__(self, replay, bucket_type):
+    def __init__(self, replay):
         from emulator.native import ffi as core_ffi
 
         from host_runtime.hymcache.checks import MAX_BATCH
@@ -64,7 +65,6 @@ class NativeLoop:
         m = _module()
         self.ffi, self.lib = ffi, lib = m.ffi, m.lib
         self.replay = replay
-        self.bucket_type = bucket_type  # bucket.Bucket: the rows finish() hands back
         ctl, master = replay.ctl, replay.master
         p = ffi.new("struct rp_params *")
         p.block_bytes, p.slot_bytes, p.refusal_ns = replay.block_bytes, replay.slot_bytes, replay.refusal_ns
@@ -184,7 +184,7 @@ class NativeLoop:
         replay.revoked += c.revoked
         replay.no_space_puts += c.no_space_puts
         b = ffi.new("struct rp_bucket *")
-        fields = self.bucket_type.SUMMED + self.bucket_type.SPANS
+        fields = Bucket.SUMMED + Bucket.SPANS
         for i in range(lib.rp_buckets(self._e)):
             lib.rp_get_bucket(self._e, i, b)
             n = b.latencies
@@ -196,7 +196,7 @@ class NativeLoop:
                 key, row = b.key, replay.window_bucket(b.key)
             else:
                 key = self.labels[b.key]
-                row = self.bucket_type(key, start_ns=b.start_ns)
+                row = Bucket(key, start_ns=b.start_ns)
             for name in fields:
                 setattr(row, name, getattr(b, name))
             row.latency_counts = (values[order], counts[order])

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-from .bucket import Bucket
-
 
 class NativeRun:
     """Replay's native path (a mixin of ``driver.Replay``)."""
@@ -20,7 +18,7 @@ class NativeRun:
         wall0, cpu0 = started or (time.perf_counter(), time.process_time())
         now = self._populate(self.workload.populate_keys(), 0.0)
         t_start = now
-        loop = self.native_loop = NativeLoop(self, Bucket)
+        loop = self.native_loop = NativeLoop(self)
         loop.add_known(self.known)
         self.pbar = self._progress_bar(None)  # a streamed trace's length is known at its end
         try:
