@@ -15,8 +15,9 @@ import time
 
 from tqdm import tqdm
 
+from common.units import format_bytes
+
 from .cli import int_at_least
-from .units import format_bytes
 from .device import Device
 from .errors import WriteBufferFull
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..units import format_bytes
+from common.units import format_bytes
+
 from ..write_buffer import FlushArbiter, WriteAdmission
 from . import register
 from .base import Area, Policy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from emulator.units import format_bytes
+from common.units import format_bytes
 from emulator.errors import ChmError
 
 from driver.wire import NodeError, read_node
