@@ -12,7 +12,7 @@ from msgspec import Meta
 
 from host_runtime.hymcache import auth
 from host_runtime.hymcache.clock import Clock, WallClock
-from host_runtime.hymcache.commands.common import PORT_MAX, _bind, _serve_until_signal
+from host_runtime.hymcache.serving import PORT_MAX, bind_server, serve_until_signal
 from host_runtime.hymcache.manager_core import KVManager
 from host_runtime.hymcache.manager_server import ManagerServer, serve_manager
 from host_runtime.hymcache.manager_state import MAX_NODE, MAX_WINDOW_BYTES, REQUEST_TIMEOUT_S, check
@@ -125,7 +125,7 @@ def start_manager(options: ManagerOptions, *, log: Callable[[str], None] | None 
                             endpoint="", log=log, **extra)
         if options.master:  # a hung Master holds up no call here
             manager.confirm_in_background(options.master, options.master_timeout_s, node_key)
-        server = _bind(lambda: serve_manager(manager, options.endpoint, curve_keys=options.curve_keys, log=log,
+        server = bind_server(lambda: serve_manager(manager, options.endpoint, curve_keys=options.curve_keys, log=log,
                                              insecure=options.insecure), options.endpoint)
         public = server.endpoint
         if options.advertise:
@@ -166,7 +166,7 @@ def run_manager(node: int, device_nodes: list[str], master_endpoint: str, endpoi
             on_ready(running.endpoint)
 
     if threading.current_thread() is threading.main_thread():
-        _serve_until_signal(running, running.close, ready)
+        serve_until_signal(running, running.close, ready)
     else:  # no signal handlers off the main thread: ``stop`` ends it
         try:
             ready()

@@ -13,7 +13,7 @@ from msgspec import Meta
 from . import auth
 from .checks import MAX_ENDPOINT, MasterSettings, check
 from .clock import Clock, WallClock
-from .commands.common import PORT_MAX, _bind
+from .serving import PORT_MAX, bind_server
 from .rpc import RpcServer
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def start_master(options: MasterOptions, *, clock: Clock | None = None,
                     **settings)
     exporter = None
     try:
-        server = _bind(lambda: serve_master(master, options.endpoint, curve_keys=options.curve_keys, log=log,
+        server = bind_server(lambda: serve_master(master, options.endpoint, curve_keys=options.curve_keys, log=log,
                                             insecure=options.insecure), options.endpoint)
         if options.metrics_port:
             exporter = StatsExporter("master", master.stats, port=options.metrics_port, host=options.metrics_host)

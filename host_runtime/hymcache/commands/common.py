@@ -1,33 +1,21 @@
-"""What the service commands share: addresses, keys, the ready line and serving until a stop signal."""
+"""What the service commands share: addresses, keys and the ready line (binding and serving until a stop signal
+are the services' own: serving.py)."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
-import signal
 
 from common.cli import UsageError
 from driver.errors import ChmError
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
+from ..serving import PORT_MAX, STOP_SIGNALS  # noqa: F401 (the commands' limits: re-exported)
 
 DEFAULT_STOP_TIMEOUT_S = 20.0
-
-
 READY_TIMEOUT_S = 60.0
-
-
 DEFAULT_MAX_RESTARTS = 5     # chm hymcache up: restarts of one child ...
-
-
 RESTART_WINDOW_S = 60.0      # ... within this long, before it gives up and stops all
-
-
-PORT_MAX = 65535
-
-
 PR_SET_PDEATHSIG = 1
 
 
@@ -62,32 +50,6 @@ def _need(module: str, names: tuple[str, ...]):
     return [getattr(mod, n) for n in names]
 
 
-def _bind(make, endpoint: str):
-    """``make()`` (a server binding ``endpoint``), a bind failure as a runtime error naming the address."""
-    import zmq
-
-    try:
-        return make()
-    except zmq.ZMQError as exc:
-        raise ChmError(exc.errno or errno.EADDRNOTAVAIL, f"cannot bind {endpoint}: {exc.strerror}") from None
-
-
 def _ready_line(role: str, **fields) -> None:
     """What a parent (``up``, tests) waits for: one JSON line on stdout."""
     print(json.dumps({"hymcache": role, "pid": os.getpid(), **fields}), flush=True)
-
-
-def _serve_until_signal(server, cleanup, ready) -> None:
-    """Say ``ready()``, serve in this (main) thread until SIGINT/SIGTERM, then ``cleanup()``. The handlers are in
-    place before the ready line: a parent that stops us as soon as it reads it gets a clean stop, not a kill."""
-    def stop(signum, frame):
-        server.stop()
-
-    old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    try:
-        ready()
-        server.serve_forever()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        cleanup()

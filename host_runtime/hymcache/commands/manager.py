@@ -9,7 +9,8 @@ import sys
 from common.cli import UsageError
 from driver.errors import ChmError
 
-from .common import _curve, _endpoint, _need, _ready_line, _serve_until_signal
+from ..serving import serve_until_signal
+from .common import _curve, _endpoint, _need, _ready_line
 
 
 def _manager(args) -> int:
@@ -43,5 +44,5 @@ def _manager(args) -> int:
         running.close()
         print(f"chm hymcache manager {args.node}: stopped", flush=True)
 
-    _serve_until_signal(running, cleanup, ready)
+    serve_until_signal(running, cleanup, ready)
     return 0

@@ -8,7 +8,8 @@ import sys
 
 from common.cli import UsageError
 
-from .common import _curve, _endpoint, _need, _ready_line, _serve_until_signal
+from ..serving import serve_until_signal
+from .common import _curve, _endpoint, _need, _ready_line
 
 
 def master_options_of(args, endpoint: str, curve_keys: str | None):
@@ -50,5 +51,5 @@ def _master(args) -> int:
         running.close()
         print("chm hymcache master: stopped", flush=True)
 
-    _serve_until_signal(running, cleanup, ready)
+    serve_until_signal(running, cleanup, ready)
     return 0
