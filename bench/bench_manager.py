@@ -112,17 +112,9 @@ def measure_block_paths(master, device_node: str, *, block_bytes: int = 16 << 20
 
 def _store(master, path: str, nblocks: int, tag: str, size: int = 2 * PAGE) -> list[bytes]:
     """``nblocks`` blocks put through the Master and flushed to the media (a hint stages them from the disk)."""
-    import xxhash
+    from tests.host_runtime.hymcache.manager_pieces import store
 
-    keys = [os.urandom(KEY_BYTES) for _ in range(nblocks)]
-    data = [os.urandom(size) for _ in range(nblocks)]
-    locs = master.put_start(f"bench-{tag}", keys, [size] * nblocks)
-    with libchm.Device(path) as dev:
-        for loc, block in zip(locs, data):
-            dev.write(loc.offset, block)
-        dev.flush()
-    master.put_end(keys, [xxhash.xxh3_64_intdigest(b) for b in data])
-    return keys
+    return store(master, {0: path}, nblocks, size, tag)[0]
 
 
 def _timed(fn) -> float:

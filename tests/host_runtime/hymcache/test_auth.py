@@ -13,9 +13,7 @@ import subprocess
 import threading
 
 import pytest
-import xxhash
 
-import libchm
 from driver.errors import ChmError
 from host_runtime.hymcache import auth
 from host_runtime.hymcache.clock import ManualClock, WallClock
@@ -25,6 +23,7 @@ from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
 from host_runtime.hymcache.rpc import RpcClient, RpcServer, RpcTimeout, make_curve_keys
 from tests.emulator.serve.serving import ROOT, Server
 
+from . import manager_pieces
 from .procs import CHM
 
 BLOCK = 128 << 10
@@ -122,16 +121,9 @@ def device(tmp_path_factory):
 
 
 def store(master, path: str, n: int, tag: str):
-    """``n`` blocks stored through the in-process Master and libchm (flushed); their keys."""
-    ks = [os.urandom(KEY_BYTES) for _ in range(n)]
-    data = [os.urandom(BLOCK) for _ in range(n)]
-    locs = master.put_start(f"put-{tag}", ks, [BLOCK] * n)
-    with libchm.Device(path) as d:
-        for loc, block in zip(locs, data):
-            d.write(loc.offset, block)
-        d.flush()
-    assert master.put_end(ks, [xxhash.xxh3_64_intdigest(b) for b in data]) == n
-    return ks, data
+    """``n`` blocks stored through the in-process Master and libchm on the one device (flushed); keys, bytes."""
+    keys, data, _ = manager_pieces.store(master, {0: path}, n, BLOCK, tag)
+    return keys, data
 
 
 def test_the_managers_calls_are_within_their_roles(keys, master_served, device):
