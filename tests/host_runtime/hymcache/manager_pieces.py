@@ -11,7 +11,6 @@ import xxhash
 import libchm
 from host_runtime.hymcache.master import Master
 from host_runtime.hymcache.messages import KEY_BYTES
-from tests.emulator.serve.serving import Server
 
 PAGE = 64 << 10
 BLOCK = 2 * PAGE  # small blocks: many of them in the small profile's 64 MiB prefetch window
@@ -46,12 +45,6 @@ def store(master, paths: dict[int, str], nblocks: int, size: int = BLOCK, tag: s
         d.close()
     assert master.put_end(keys, [xxhash.xxh3_64_intdigest(b) for b in data]) == nblocks
     return keys, data, {loc.device for loc in locs}
-
-
-def serve_two_devices(tmp_path_factory):
-    """Two `chm serve` devices for a module's tests (its ``two_devices`` fixture yields from this)."""
-    with Server(tmp_path_factory.mktemp("m0")) as a, Server(tmp_path_factory.mktemp("m1")) as b:
-        yield [a, b]
 
 
 def pages_held(path: str) -> int:

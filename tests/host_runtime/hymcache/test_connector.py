@@ -117,10 +117,6 @@ def test_multi_turn_reuse_over_zeromq_is_token_identical(smol, tmp_path):
 HANG_S = 120.0  # a turn still running after this hangs (far beyond a slow CI); bench_connector_faults times it
 
 
-def bounded(fn, limit_s: float = HANG_S):
-    return run_bounded(fn, limit_s)
-
-
 def _master_on(endpoint: str, state) -> Proc:
     return Proc("import json; from host_runtime.hymcache.master import run_master; "
                 f"run_master({endpoint!r}, {str(state)!r}, log=lambda m: None, "
@@ -147,7 +143,7 @@ def master_killed_turns(model, tok, work) -> SimpleNamespace:
             stored_before = pair[1].figures["t1"].stored_blocks
             master.proc.kill()  # kill -9
             master.proc.wait()
-            second, second_s = bounded(lambda: engine.generate("t2", prompt, 2, tok.eos_id))
+            second, second_s = run_bounded(lambda: engine.generate("t2", prompt, 2, tok.eos_id), HANG_S)
             ref = reference.generate("ref", prompt, 2, tok.eos_id)
             master = _master_on(endpoint, state)
             third = engine.generate("t3", prompt, 2, tok.eos_id)
@@ -360,7 +356,7 @@ def device_killed_turn(model, tok, master, manager, device) -> SimpleNamespace:
         engine.generate("before", prompt, 2, tok.eos_id)
         stored_before = worker.figures["before"].stored_blocks
         device.kill()  # SIGKILL: the device vanishes with every block on it
-        after, after_s = bounded(lambda: engine.generate("after", prompt, 2, tok.eos_id))
+        after, after_s = run_bounded(lambda: engine.generate("after", prompt, 2, tok.eos_id), HANG_S)
         ref = PagedEngine(model, chunk_size=BS, num_blocks=64).generate("ref", prompt, 2, tok.eos_id)
         return SimpleNamespace(prompt=prompt, stored_before=stored_before, after=after, ref=ref,
                                load_errors=worker.figures["after"].load_errors, after_s=after_s)
@@ -373,7 +369,7 @@ def test_a_killed_device_means_load_errors_and_recomputation_never_wrong_tokens(
     run = device_killed_turn(model, tok, *in_process_set())
     assert run.stored_before == len(run.prompt) // BS >= 3
     assert run.after.output_token_ids == run.ref.output_token_ids and run.after.reused_tokens == 0
-    assert run.load_errors == 1  # never hangs: bounded() returned
+    assert run.load_errors == 1  # never hangs: run_bounded() returned
 
 
 class SlowManager:

@@ -19,12 +19,7 @@ from host_runtime.hymcache.messages import KEY_BYTES, DeviceInfo
 from tests.emulator.serve.serving import Server
 
 from .manager_pieces import (BLOCK, PAGE, LogWatch, RecordingMaster, pages_held,  # noqa: F401 (test_lookup's)
-                             serve_two_devices, store)
-
-
-@pytest.fixture(scope="module")
-def two_devices(tmp_path_factory):
-    yield from serve_two_devices(tmp_path_factory)
+                             store)
 
 
 @pytest.fixture

@@ -23,12 +23,7 @@ from host_runtime.hymcache.master import Master, MasterClient
 from tests.emulator.media_trouble import DEVICE_WRITE_BYTES, FAULT_OVERRIDES, HOLD_WRITES
 from tests.emulator.serve.serving import ROOT, Server
 
-from .manager_pieces import BLOCK, PAGE, LogWatch, RecordingMaster, pages_held, serve_two_devices, store, when_held
-
-
-@pytest.fixture(scope="module")
-def two_devices(tmp_path_factory):
-    yield from serve_two_devices(tmp_path_factory)
+from .manager_pieces import BLOCK, PAGE, LogWatch, RecordingMaster, pages_held, store, when_held
 
 
 @pytest.fixture
