@@ -40,10 +40,13 @@ def outside(field: str, value: Any, allowed: str) -> str:
     return f"{field} {shown(value)} is outside the allowed range: {allowed}"
 
 
+def number(x: float) -> str:
+    """A bound as an error shows it: an int as written, a float without a trailing .0 (86400, 0.9, 1e+12)."""
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
 def interval(low: float, high: float, low_open: bool = False, high_open: bool = False) -> str:
-    def g(x: float) -> str:
-        return f"{x:g}" if isinstance(x, float) else str(x)
-    return f"{'(' if low_open else '['}{g(low)}, {g(high)}{')' if high_open else ']'}"
+    return f"{'(' if low_open else '['}{number(low)}, {number(high)}{')' if high_open else ']'}"
 
 
 def _is_int(value: Any) -> bool:
@@ -210,10 +213,9 @@ def _allowed(info) -> str:
         if low is None and high is None:
             return kind
         if high is None:
-            return f"{kind} {'>' if info.ge is None else '>='} {low:g}" if isinstance(low, float) else \
-                   f"{kind} {'>' if info.ge is None else '>='} {low}"
+            return f"{kind} {'>' if info.ge is None else '>='} {number(low)}"
         if low is None:
-            return f"{kind} {'<' if info.le is None else '<='} {high}"
+            return f"{kind} {'<' if info.le is None else '<='} {number(high)}"
         return f"{kind} in {interval(low, high, info.ge is None, info.le is None)}"
     if isinstance(info, ins.StrType):
         if info.min_length is None and info.max_length is None:
