@@ -87,6 +87,8 @@ FIELDS = [
     Field("workload.mean_prompt_tokens", "float", 1, 1e6, "--mean-prompt-tokens", "mean user prompt per turn"),
     Field("workload.mean_response_tokens", "float", 1, 1e6, "--mean-response-tokens",
           "mean recorded response per turn (part of the next turn's history)"),
+    Field("workload.turn_tokens", "float", 0, 1e6, "--turn-tokens",
+          "lmsys: mean tokens a turn adds (prompt + response, the two means scaled in their split; 0: as given)"),
     Field("workload.input_tokens", "float", 1, 1e6, "--isl", "aiperf: user tokens per turn (ISL mean)"),
     Field("workload.input_tokens_stddev", "float", 0, 1e6, "--isl-stddev", "aiperf: ISL standard deviation"),
     Field("workload.prefix_ratio", "float", 0, 1, "--prefix-ratio",

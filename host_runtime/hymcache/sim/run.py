@@ -160,7 +160,8 @@ def make_turns(s: dict):
     turns = conversations(s["workload.conversations"], s["workload.turns"],
                           mean_prompt_tokens=s["workload.mean_prompt_tokens"],
                           mean_response_tokens=s["workload.mean_response_tokens"],
-                          min_prompt_tokens=s["workload.min_prompt_tokens"], seed=s["workload.seed"])
+                          turn_tokens=s["workload.turn_tokens"], min_prompt_tokens=s["workload.min_prompt_tokens"],
+                          seed=s["workload.seed"])
     if P > 1:
         import dataclasses
         turns = [[dataclasses.replace(t, worker=t.conversation % P) for t in batch] for batch in turns]

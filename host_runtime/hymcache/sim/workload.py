@@ -22,6 +22,11 @@ responses of turns 1..t-1 (the responses come from the data set, not from the mo
 decodes ``max_tokens``). The KV the previous turn computed is its input: the next turn can reuse
 its full blocks.
 
+``turn_tokens`` (Fig. 13, 15: the paper's workload characterization, "the prefix-read footprint added
+between Turn 6 and Turn 7 alone exceeds 64 GB": 64 GB over 512 conversations at 128 KiB of KV a token is
+953 tokens a turn) scales both means by one factor, so a turn adds that many tokens on average and
+LMSYS's prompt-to-response split (69.5 : 214.5) stays; 0 leaves them as they are.
+
 ``min_prompt_tokens`` (Fig. 15: LMSYS requests with inputs over 2K characters, at 4 characters per
 token) draws every user prompt from the same lognormal conditioned on at least that many tokens
 (inverse CDF of the normal's upper tail: one draw per prompt, no rejection loop); 0 leaves the draws
@@ -68,12 +73,23 @@ class Turn:
     output_tokens: int | None = None  # a trace's request: its answer's tokens (None: the settings' max_tokens)
 
 
+def scaled_means(mean_prompt_tokens: float, mean_response_tokens: float, turn_tokens: float) -> tuple[float, float]:
+    """The prompt and response means scaled so that a turn adds ``turn_tokens`` on average, in their own split
+    (0: as they are)."""
+    if not turn_tokens:
+        return mean_prompt_tokens, mean_response_tokens
+    scale = turn_tokens / (mean_prompt_tokens + mean_response_tokens)
+    return mean_prompt_tokens * scale, mean_response_tokens * scale
+
+
 def conversations(n: int, turns: int, *, mean_prompt_tokens: float = LMSYS_PROMPT_TOKENS,
-                  mean_response_tokens: float = LMSYS_RESPONSE_TOKENS, min_prompt_tokens: int = 0,
-                  seed: int = 0) -> list[list[Turn]]:
-    """``result[t - 1]``: turn t of every conversation, in conversation order. ``min_prompt_tokens``: every
-    prompt is drawn conditioned on at least that many tokens (module docstring)."""
+                  mean_response_tokens: float = LMSYS_RESPONSE_TOKENS, turn_tokens: float = 0.0,
+                  min_prompt_tokens: int = 0, seed: int = 0) -> list[list[Turn]]:
+    """``result[t - 1]``: turn t of every conversation, in conversation order. ``turn_tokens``: the mean tokens a
+    turn adds to a conversation's history (prompt + response, in the means' split; 0: the means as given).
+    ``min_prompt_tokens``: every prompt is drawn conditioned on at least that many tokens (module docstring)."""
     rng = random.Random(seed)
+    mean_prompt_tokens, mean_response_tokens = scaled_means(mean_prompt_tokens, mean_response_tokens, turn_tokens)
 
     def tokens(mean: float) -> int:  # as ConversationGenerator.phases draws them
         return max(1, int(rng.lognormvariate(0.0, 1.0) / _LOGNORMAL_MEAN * mean))
@@ -194,7 +210,15 @@ def footprints(turns: list[list[Turn]], bytes_per_token: int, tokens_per_block: 
         return {"kv_footprint_bytes": len(distinct) * block, "reusable_footprint_bytes": len(reused) * block,
                 "trace": True}
     return {"kv_footprint_bytes": sum(t.input_tokens for t in turns[-1]) * bytes_per_token,
-            "reusable_footprint_bytes": reusable_footprint_bytes(turns, bytes_per_token)}
+            "reusable_footprint_bytes": reusable_footprint_bytes(turns, bytes_per_token),
+            "prefix_growth_bytes": prefix_growth_bytes(turns, bytes_per_token)}
+
+
+def prefix_growth_bytes(turns: list[list[Turn]], bytes_per_token: int) -> dict[str, int]:
+    """``{"6-7": bytes}``: the prefix-read footprint (the history each turn can reuse) added from one turn to the
+    next, over all conversations -- the paper's measure ("added between Turn 6 and Turn 7")."""
+    reads = [sum(t.prev_input_tokens for t in batch) * bytes_per_token for batch in turns]
+    return {f"{t}-{t + 1}": reads[t] - reads[t - 1] for t in range(1, len(reads))}
 
 
 def reusable_footprint_bytes(turns: list[list[Turn]], bytes_per_token: int) -> int:

@@ -15,7 +15,7 @@ from host_runtime.hymcache.sim.sweep import WALL_FIELDS, parse_axes, point_specs
 
 # Fig. 13 shrunk: a GPU KV cache of ~190 blocks, so later turns ask the tier; each point well under a second
 SMALL = ["--conversations", "24", "--turns", "3", "--concurrency", "8", "--gpu-memory-utilization", "0.25",
-         "--mean-prompt-tokens", "400", "--no-progress"]
+         "--mean-prompt-tokens", "400", "--turn-tokens", "0", "--no-progress"]
 AXES = ["--sweep", "tier=lmcache-local,hymcache", "--sweep", "dram=256MiB,4GiB"]
 
 
