@@ -72,8 +72,9 @@ FIELDS = [
           "the storage node's aggregate link (Gbit/s): the HyMCache / CMM-H device's RDMA link"),
     Field("topology.rdma_latency_ns", "float", 0, 1e9, "--rdma-latency-ns", "one RDMA transfer's latency (ns)"),
     Field("workload.kind", "choice", flag="--workload", help="lmsys: LMSYS-style chat; aiperf: AIPerf-style synthetic "
-          "multi-turn; mooncake: a Mooncake JSONL trace, each request at its timestamp (--trace)",
-          choices=("lmsys", "aiperf", "mooncake")),
+          "multi-turn; mooncake: a Mooncake JSONL trace, each request at its timestamp (--trace); turns: recorded "
+          "turns, a JSON file of the tokens each turn adds (--trace; bench_vllm writes the one it sends to vLLM)",
+          choices=("lmsys", "aiperf", "mooncake", "turns")),
     Field("workload.conversations", "int", 1, 1_000_000, "--conversations", "conversations (the workload's size)"),
     Field("workload.turns", "int", 1, 1000, "--turns", "turns per conversation"),
     Field("workload.concurrency", "int", 1, 100_000, "--concurrency",
@@ -96,7 +97,8 @@ FIELDS = [
     Field("workload.min_prompt_tokens", "int", 0, 1_000_000, "--min-prompt-tokens",
           "lmsys: every user prompt drawn from LMSYS's distribution conditioned on at least this many tokens (0: all)"),
     Field("workload.trace", "path", flag="--trace", help="mooncake: the JSONL trace (\"\": the shared Mooncake "
-          "conversation trace, ../shared/data/traces/mooncake_conversation_trace.jsonl or $CHM_MOONCAKE_TRACE)"),
+          "conversation trace, ../shared/data/traces/mooncake_conversation_trace.jsonl or $CHM_MOONCAKE_TRACE); "
+          "turns: the recorded turns' JSON file (sim/workload.py TurnsFile; no default)"),
     Field("workload.trace_limit", "int", 0, 1 << 40, "--trace-limit", "mooncake: only the trace's first N requests (0: all)"),
     Field("workload.time_scale", "float", *TIME_SCALE_RANGE, "--time-scale",
           "mooncake: multiply the trace's timestamps (< 1: more load)"),
@@ -273,13 +275,19 @@ def check_settings(s: dict[str, Any]) -> None:
             if MOONCAKE_TOKENS_PER_HASH % n:
                 raise ValueError(f"{flag} {n} must divide the Mooncake trace's hash block of "
                                  f"{MOONCAKE_TOKENS_PER_HASH} tokens (--workload mooncake)")
+    if s["workload.kind"] == "turns":  # the recorded turns' file, read and checked before anything runs
+        from .workload import read_turns_file
+
+        read_turns_file(trace_path(s))
 
 
 def trace_path(s: dict[str, Any]) -> Path:
-    """The trace of ``workload.trace``: the path given, or the shared Mooncake conversation trace. ValueError
-    saying where it was looked for when it is not there."""
+    """The trace of ``workload.trace``: the path given, or the shared Mooncake conversation trace (``turns``: no
+    default). ValueError saying where it was looked for when it is not there."""
     from emulator.shared_data import mooncake_conversation_trace
 
+    if s["workload.kind"] == "turns" and not s["workload.trace"]:
+        raise CHECK.fail("--trace", "", "the recorded turns' JSON file (--workload turns has no default)")
     if s["workload.trace"]:
         path = Path(s["workload.trace"])
         if not path.is_file():

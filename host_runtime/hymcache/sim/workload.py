@@ -42,6 +42,13 @@ ids' blocks (a key names its whole prefix, as a Mooncake hash does), and a repor
 ``window_s`` seconds of arrivals (``Turn.turn`` is the window's index; a window without arrivals has no row). A request's input is its ``input_length`` (its hash blocks in full where the record has none) and its output
 its ``output_length`` (at least 1; the settings' ``max_tokens`` where the record has none). Its *reusable*
 prefix is the leading whole blocks an earlier request (in arrival order) computed.
+
+Recorded turns (``recorded_turns``, ``workload.kind = turns``): a JSON file (``TurnsFile``, written by
+``write_turns``) of the tokens each turn of each conversation adds, as a client sent them -- ``bench/bench_vllm.py``
+writes the one it sends to the real ``vllm serve``, so the simulator runs exactly that workload. History rule:
+turn t sends every earlier turn's added tokens and answer (``output_tokens`` each, decoded live) and its own
+added tokens. The turns are served as the turn-barrier client serves them: turn 1 of every conversation in
+conversation order, then turn 2, ...; with ``concurrency`` 1, each request alone (bench_vllm's client).
 """
 
 from __future__ import annotations
@@ -50,8 +57,14 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import NormalDist
+from typing import Annotated, Literal
 
+import msgspec
+from msgspec import Meta
+
+from common.checks import Checks
 from host_runtime.replay.traces import ConversationGenerator
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ConversationGenerator)}
@@ -70,7 +83,7 @@ class Turn:
     worker: int = 0         # the prefill worker the router sends the conversation to
     keys: tuple = ()        # a trace's block keys (each names its whole prefix); () for the generated workloads
     arrival_ns: float = 0.0  # a trace's request: when it is submitted (open loop)
-    output_tokens: int | None = None  # a trace's request: its answer's tokens (None: the settings' max_tokens)
+    output_tokens: int | None = None  # a trace's request, a recorded turn: its answer's tokens (None: max_tokens)
 
 
 def scaled_means(mean_prompt_tokens: float, mean_response_tokens: float, turn_tokens: float) -> tuple[float, float]:
@@ -193,6 +206,58 @@ def mooncake_requests(path, *, tokens_per_block: int, block_bytes: int, limit: i
                                      keys=keys, arrival_ns=stream.start_ns,
                                      output_tokens=None if output_length is None else max(1, output_length)))
     return by_window
+
+
+TURNS_FORMAT = "chm-turns/1"
+MAX_TURN_TOKENS = 1_000_000  # tokens one turn may add (or answer): the settings' per-turn bounds
+_TurnTokens = Annotated[int, Meta(ge=1, le=MAX_TURN_TOKENS)]
+
+
+class TurnsFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A recorded multi-turn workload (module docstring), typed with its ranges."""
+
+    format: Literal["chm-turns/1"]
+    source: Annotated[str, Meta(max_length=4096)] = ""  # what made it (a command), for the reader
+    output_tokens: _TurnTokens  # each turn's answer: decoded, then part of the next turn's history
+    # [conversation][turn - 1]: the tokens turn t adds (its user prompt)
+    conversations: Annotated[list[Annotated[list[_TurnTokens], Meta(min_length=1, max_length=1000)]],
+                             Meta(min_length=1, max_length=1_000_000)]
+
+
+def write_turns(path, added: list[list[int]], output_tokens: int, source: str = "") -> Path:
+    """Write a ``TurnsFile`` (checked as ``recorded_turns`` reads it) and return its path."""
+    spec = Checks(ValueError).convert({"format": TURNS_FORMAT, "source": source, "output_tokens": output_tokens,
+                                       "conversations": added}, TurnsFile, "turns: ")
+    path = Path(path)
+    path.write_bytes(msgspec.json.encode(spec) + b"\n")
+    return path
+
+
+def read_turns_file(path) -> TurnsFile:
+    """The ``TurnsFile`` at ``path``; ValueError naming the file, the field, the value and the range."""
+    path = Path(path)
+    where = f"{path}: "
+    try:
+        data = msgspec.json.decode(path.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{where}{exc.strerror}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"{where}not JSON ({exc})") from None
+    return Checks(ValueError).convert(data, TurnsFile, where)
+
+
+def recorded_turns(path) -> list[list[Turn]]:
+    """``result[t - 1]``: turn t of every conversation that has one, in conversation order (module docstring)."""
+    spec = read_turns_file(path)
+    by_turn: list[list[Turn]] = [[] for _ in range(max(len(c) for c in spec.conversations))]
+    for c, added in enumerate(spec.conversations):
+        history = prev = 0
+        for t, n in enumerate(added, 1):
+            history += n
+            by_turn[t - 1].append(Turn(c, t, history, prev, output_tokens=spec.output_tokens))
+            prev = history
+            history += spec.output_tokens
+    return by_turn
 
 
 def footprints(turns: list[list[Turn]], bytes_per_token: int, tokens_per_block: int) -> dict:
