@@ -185,6 +185,8 @@ def register(sub) -> None:
     register_sweep(hs)
     from .sim.claims import register as register_claims  # the paper's claims, judged at the presets
     register_claims(hs)
+    from .sim.calibrate import register as register_calibrate  # a measured worker profile from the real vLLM
+    register_calibrate(hs)
 
 
 def _set_shape_args(p, whose: str) -> None:

