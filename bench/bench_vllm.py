@@ -23,7 +23,8 @@ vLLM's own counters in ``/metrics`` (``vllm:prefix_cache_hits``, ``vllm:external
 Each tier runs ``--runs`` (3) times, interleaved (tier order rotated each round), each run on a fresh server
 and a fresh HyMCache set. The table shows per turn the median over runs of each run's median TTFT, and the
 largest of those medians. Output: a table on stdout, ``--out DIR`` (default bench/results/vllm) with
-``bench_vllm.json`` and ``bench_vllm.png`` (one line per tier).
+``bench_vllm.json``, ``bench_vllm.png`` (one line per tier) and ``bench_vllm.turns.json``: the workload as the
+simulator reads it (``chm hymcache simulate --workload turns --trace FILE``; bench_sim_vs_vllm runs both on it).
 
     .venv/bin/python -m bench bench_vllm             # all of it (about 65 minutes on 2 cores)
     .venv/bin/python -m bench.bench_vllm --runs 1 --conversations 2 --turns 3 --tiers prefix,hymcache
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("recompute", "prefix", "example", "hymcache-lru", "hymcache")
 BLOCK_TOKENS = 128              # vLLM's KV block on CPU
 VOCAB = (1000, 45000)           # token ids drawn from here: ordinary word pieces of SmolLM2's 49,152
+OUTPUT_TOKENS = 1               # each request decodes one token (the paper's Fig. 13); it joins the next turn's history
 
 
 def conversations(n: int, turns: int, turn_tokens: int, seed: int) -> list[list[list[int]]]:
@@ -55,6 +57,14 @@ def conversations(n: int, turns: int, turn_tokens: int, seed: int) -> list[list[
     rng = random.Random(seed)
     return [[[rng.randrange(*VOCAB) for _ in range(turn_tokens + rng.randrange(64))] for _ in range(turns)]
             for _ in range(n)]
+
+
+def write_workload(convs, path: Path, source: str) -> Path:
+    """The workload ``convs`` as the simulator reads it (``workload.kind = turns``: the tokens each turn adds, the
+    answer's tokens), so both run this one definition of it."""
+    from host_runtime.hymcache.sim.workload import write_turns
+
+    return write_turns(path, [[len(turn) for turn in conv] for conv in convs], OUTPUT_TOKENS, source)
 
 
 @contextlib.contextmanager
@@ -87,35 +97,45 @@ def tier_backend(tier: str, work: Path):
             yield True, connector_config(hset.master_endpoint, str(keys), "worker"), hset
 
 
-def run_tier(tier: str, model: Path, convs, blocks: int, dtype: str, work: Path) -> list[dict]:
-    """One run of the workload on a fresh server: a row per turn (TTFTs, tokens by tier; for HyMCache the
-    loads' wall time and bytes, and a bare libchm read of as many bytes from the same devices)."""
-    from host_runtime.hymcache.vllm_serve import COUNTERS, LOAD_COUNTERS, VllmServer
+def run_tier(tier: str, model: Path, convs, blocks: int, dtype: str, work: Path, *, bare_reads: bool = True,
+             max_model_len: int | None = None) -> list[dict]:
+    """One run of the workload on a fresh server: a row per turn (TTFTs, tokens by tier, and per request its prompt,
+    vLLM's and the connector's hit tokens and its TTFT; for HyMCache the loads' wall time and bytes, and with
+    ``bare_reads`` a bare libchm read of as many bytes from the same devices). Turn by turn, round robin, each
+    request alone: turn t of every conversation before turn t + 1 of any."""
+    from host_runtime.hymcache.vllm_serve import COUNTERS, LOAD_COUNTERS, MAX_MODEL_LEN, VllmServer
 
     work.mkdir(parents=True)
     with tier_backend(tier, work) as (prefix_caching, kv_transfer, hset):
         with VllmServer(model, prefix_caching=prefix_caching, kv_transfer=kv_transfer, blocks=blocks, dtype=dtype,
-                        log=work / "vllm.log") as server:
+                        max_model_len=max_model_len or MAX_MODEL_LEN, log=work / "vllm.log") as server:
             server.wait_ready()
             metrics = {**COUNTERS, **LOAD_COUNTERS}
             history = [[] for _ in convs]
             rows = []
-            for t in range(len(convs[0])):
+            for t in range(max(len(turns) for turns in convs)):
                 before = server.counters(metrics)
-                ttfts = []
+                ttfts, requests = [], []
                 for c, turns in enumerate(convs):
+                    if t >= len(turns):
+                        continue
                     history[c] += turns[t]
-                    tokens, ttft = server.complete(history[c], 1)
+                    sent = server.counters(COUNTERS)
+                    tokens, ttft = server.complete(history[c], OUTPUT_TOKENS)
+                    got = server.counters(COUNTERS)
+                    requests.append({"conversation": c, "prompt_tokens": len(history[c]), "output_tokens": len(tokens),
+                                     "local_hit_tokens": got["local"] - sent["local"],
+                                     "external_hit_tokens": got["external"] - sent["external"], "ttft_s": ttft})
                     history[c] += tokens
                     ttfts.append(ttft)
                 after = server.counters(metrics)
                 d = {k: after[k] - before[k] for k in metrics}
                 rows.append({"turn": t + 1, "ttft_s": ttfts, "prompt_tokens": d["prompt"],
                              "local_hit_tokens": d["local"], "external_hit_tokens": d["external"],
-                             "recomputed_tokens": d["prompt"] - d["local"] - d["external"]})
+                             "recomputed_tokens": d["prompt"] - d["local"] - d["external"], "requests": requests})
                 if hset is not None:
                     rows[-1].update(load_s=d["load_s"], loaded_bytes=d["loaded_bytes"])
-            if hset is not None:
+            if hset is not None and bare_reads:
                 stored_blocks = int(after["stored_tokens"]) // BLOCK_TOKENS
                 for row in rows:
                     row["bare_read_s"] = bare_read_s(hset, int(row["loaded_bytes"]), model, dtype, stored_blocks)
@@ -262,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model = ensure_hf_folder()
     convs = conversations(args.conversations, args.turns, args.turn_tokens, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    given = sys.argv[1:] if argv is None else argv
+    write_workload(convs, args.out / "bench_vllm.turns.json", " ".join(["python -m bench.bench_vllm", *given]))
     runs: dict[str, list] = {t: [] for t in tiers}
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir="/var/tmp"))
     try:
@@ -275,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(runs)
     print(table(summary))
-    args.out.mkdir(parents=True, exist_ok=True)
     setting = (f"{args.conversations} conversations x {args.turns} turns, >= {args.turn_tokens} new tokens a turn, "
                f"1 output token, vLLM KV {args.blocks} blocks x 128 tokens, {args.runs} interleaved runs")
     (args.out / "bench_vllm.json").write_text(json.dumps({"setting": setting, "dtype": args.dtype, "summary": summary,
