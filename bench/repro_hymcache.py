@@ -24,6 +24,9 @@ Experiments (all in virtual time on the emulator's controller, data off):
                    prefetch on and off),
                    every tier of the preset; the table as the command prints it, JSON and PNG to
                    ``bench/results/sim/figN.{json,png}``.
+* ``claims-map`` -- the claims map (``chm hymcache sweep --claims``): every parameter the paper leaves open
+                   (host_runtime/hymcache/sim/claims_map.py PARAMETERS), each value one simulation of its figure's
+                   preset on Dask, judged by the paper's claims; ``bench/results/claims_map/claims_map.{json,md,png}``.
 
 Every run is a fresh process, so its wall time and peak RSS are its own. Results (JSON + PNG)
 go to ``bench/results/replay/``.
@@ -307,8 +310,24 @@ def sim15() -> None:
     _sim("15")
 
 
+CLAIMS_MAP_OUT = ROOT / "bench" / "results" / "claims_map"
+
+
+def claims_map() -> None:
+    """``chm hymcache sweep --claims --out bench/results/claims_map`` (a LocalCluster of one worker per CPU)."""
+    from host_runtime.hymcache.sim.claims_map import claims_map as run_map
+    from host_runtime.hymcache.sim.claims_map import format_map, write_map
+
+    print("== The claims map: each claim of the paper over every parameter it leaves open ==")
+    m = run_map(progress=sys.stderr.isatty(), announce=True)
+    print("\n".join("  " + line for line in format_map(m).splitlines()))
+    paths = write_map(m, CLAIMS_MAP_OUT)
+    print(f"  wrote {', '.join(str(p) for p in paths)}")
+
+
 EXPERIMENTS = {"fig5": fig5, "hymcache": hymcache, "randread": randread, "mooncake": mooncake,
-               "sim13": sim13, "sim10": sim10, "sim12": sim12, "sim11": sim11, "sim14": sim14, "sim15": sim15}
+               "sim13": sim13, "sim10": sim10, "sim12": sim12, "sim11": sim11, "sim14": sim14, "sim15": sim15,
+               "claims-map": claims_map}
 
 
 def main(argv: list[str] | None = None) -> int:

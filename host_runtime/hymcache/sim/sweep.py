@@ -283,6 +283,13 @@ examples:
   chm hymcache sweep --sweep figure=13,15 --sweep tier=hymcache --conversations 128
   chm hymcache sweep --figure 13 --sweep workload=lmsys,mooncake --trace-limit 1000 --tiers hymcache
   chm hymcache sweep --figure 15 --sweep workload.concurrency=32,64,128 --scheduler tcp://HOST:8786
+  chm hymcache sweep --claims --out map --workers 2                # the claims map: every open parameter
+  chm hymcache sweep --claims --figure 13,14 --parameter redis.gbps    # a part of it
+
+--claims: for each parameter the paper leaves open (host_runtime/hymcache/sim/claims_map.py PARAMETERS: figure,
+setting, values, source), each value is one task: the figure's preset, every tier, with that one setting changed,
+judged by the claims of chm hymcache claims. Output: a table per parameter (claim x value -> holds / FAILS and the
+measured number; * the preset's value) and, with --out, claims_map.json, claims_map.md and claims_map.png.
 """
 
 
@@ -302,8 +309,15 @@ def register(sub) -> None:
     g.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2,...",
                    help="an axis of the grid (repeatable; the grid is the product, the first given varying slowest). "
                         "FIELD: " + axes_help())
+    g.add_argument("--claims", action="store_true",
+                   help="the claims map instead of a grid: every parameter the paper leaves open (claims_map.py "
+                        "PARAMETERS), each value one simulate of its figure's preset judged by chm hymcache claims; "
+                        "--figure N[,M...] and --parameter narrow it")
+    g.add_argument("--parameter", action="append", metavar="KEY",
+                   help="with --claims: only this parameter of the map (repeatable), e.g. workload.turn_tokens")
     add_dask_args(g)
-    g.add_argument("--out", metavar="DIR", help="write sweep.json and sweep.png here")
+    g.add_argument("--out", metavar="DIR", help="write sweep.json and sweep.png here (--claims: claims_map.json, "
+                                                ".md and .png)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_settings_args(p.add_argument_group("settings (as chm hymcache simulate)"), figure_default=None)
     p.set_defaults(func=_sweep)
@@ -314,6 +328,12 @@ def _sweep(args) -> int:
 
     if args.scheduler and args.workers is not None:
         raise UsageError("--workers is for the LocalCluster; a --scheduler's cluster has its own workers")
+    if args.claims:
+        from .claims_map import main as claims_map_main
+
+        return claims_map_main(args)
+    if args.parameter:
+        raise UsageError("--parameter chooses a parameter of the claims map: give it with --claims")
     axes = parse_axes(args.sweep)
     specs = point_specs(args, axes)
     names = list(dict.fromkeys(n for spec in specs for n in spec["point"]))
