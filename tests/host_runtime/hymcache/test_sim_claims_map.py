@@ -112,3 +112,10 @@ def test_bad_claims_maps_are_usage_errors_naming_field_and_value(argv, message, 
 def test_parameter_without_claims_is_a_usage_error(capsys):
     assert chm_main(["hymcache", "sweep", "--parameter", "redis.gbps", "--figure", "14"]) == 2
     assert "--parameter chooses a parameter of the claims map: give it with --claims" in capsys.readouterr().err
+
+
+def test_a_point_the_simulator_refuses_is_that_points_error_not_the_maps():
+    s = {**load_settings(preset_path("13")), **SMALL, "model.name": "opt-30b"}  # 60 GB of weights in 20 GB of HBM
+    record = claims_map.run_point({"figure": "13", "settings": s})
+    assert record["verdicts"] == [] and record["error"].startswith("ValueError: gpu: ") and "no room" in record["error"]
+    assert claims_map.cell_text({"holds": None, "measured": None}) == "error"
