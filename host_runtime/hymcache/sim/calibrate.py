@@ -51,7 +51,8 @@ DEFAULT_CONTEXTS = (0, 512, 1536, 3072)
 DEFAULT_NEW_TOKENS = (64, 256, 1024)
 DEFAULT_CONCURRENCY = (1, 2, 4)
 DEFAULT_BLOCKS = 48              # bench/bench_vllm.py's --blocks default: the engine the profile is compared with
-DECODE_PROMPT = 256              # tokens before a decode stream
+STEP_BUDGET = 2048               # --max-num-batched-tokens: vllm serve's own default on CPU (vllm/engine/arg_utils.py)
+DECODE_PROMPTS = (256, 2048)     # tokens before a decode stream: a short and a long context
 DECODE_TOKENS = 48               # tokens each decode stream generates
 DECODE_SKIP = 8                  # first gaps of a stream left out: the other streams' prefills run in them
 COPY_REPEATS = 20
@@ -59,24 +60,41 @@ COPY_REPEATS = 20
 
 @dataclass(frozen=True)
 class Sample:
-    """One measured step: ``chunks`` as ``StepModel.step_ns`` takes them, and its seconds."""
+    """A measured time: the engine's ``steps`` (each a batch of chunks as ``StepModel.step_ns`` takes them), in
+    ``seconds``."""
 
-    kind: str                    # "prefill" or "decode"
-    chunks: tuple[tuple[int, int], ...]
+    kind: str                    # "prefill" (time to the first token) or "decode" (one step)
+    steps: tuple[tuple[tuple[int, int], ...], ...]
     seconds: float
 
 
+def prefill_steps(context: int, new: int, budget: int) -> tuple:
+    """The steps vLLM prefills ``new`` tokens after ``context`` in: chunks of at most ``budget`` tokens (its
+    max_num_batched_tokens), one request."""
+    return tuple(((start, min(budget, context + new - start)),) for start in range(context, context + new, budget))
+
+
 def medians(samples: list[Sample]) -> list[Sample]:
-    """One sample per distinct (kind, chunks): the median of its seconds."""
+    """One sample per distinct (kind, steps): the median of its seconds."""
     groups: dict[tuple, list[float]] = {}
     for s in samples:
-        groups.setdefault((s.kind, s.chunks), []).append(s.seconds)
-    return [Sample(kind, chunks, statistics.median(v)) for (kind, chunks), v in groups.items()]
+        groups.setdefault((s.kind, s.steps), []).append(s.seconds)
+    return [Sample(kind, steps, statistics.median(v)) for (kind, steps), v in groups.items()]
+
+
+def _terms(steps) -> list[int]:
+    """(1, *step_terms) summed over the steps: a sample's row of the fit."""
+    return [sum(col) for col in zip(*((1, *step_terms(chunks)) for chunks in steps))]
+
+
+def predicted_ns(coefficients: dict[str, float], steps) -> float:
+    values = [coefficients[k] for k in STEP_COEFFICIENTS]
+    return sum(measured_step_ns(values, chunks) for chunks in steps)
 
 
 def fit(samples: list[Sample]) -> dict[str, float]:
     """The step coefficients (ns) that fit ``samples`` best in relative error, none negative."""
-    x = np.array([(1, *step_terms(s.chunks)) for s in samples], dtype=float)
+    x = np.array([_terms(s.steps) for s in samples], dtype=float)
     y = np.array([s.seconds * 1e9 for s in samples])
     weight = 1.0 / y
     keep = list(range(len(STEP_COEFFICIENTS)))
@@ -92,14 +110,16 @@ def fit(samples: list[Sample]) -> dict[str, float]:
 
 def residual_lines(samples: list[Sample], coefficients: dict[str, float]) -> list[str]:
     """A line per sample: what it was, measured and fitted ms, the residual; then the RMS of the relative ones."""
-    lines = [f"{'kind':<8} {'context':>7} {'new':>5} {'seqs':>4} {'measured_ms':>11} {'fitted_ms':>10} {'resid':>7}"]
+    lines = [f"{'kind':<8} {'context':>7} {'new':>5} {'seqs':>4} {'steps':>5} {'measured_ms':>11} {'fitted_ms':>10} "
+             f"{'resid':>7}"]
     rel = []
-    for s in sorted(samples, key=lambda s: (s.kind, s.chunks)):
-        got = measured_step_ns([coefficients[k] for k in STEP_COEFFICIENTS], s.chunks) / 1e6
+    for s in sorted(samples, key=lambda s: (s.kind, s.steps)):
+        got = predicted_ns(coefficients, s.steps) / 1e6
         meas = s.seconds * 1e3
         rel.append((got - meas) / meas)
-        lines.append(f"{s.kind:<8} {s.chunks[0][0]:>7} {sum(n for _, n in s.chunks):>5} {len(s.chunks):>4} "
-                     f"{meas:>11.2f} {got:>10.2f} {100 * rel[-1]:>6.1f}%")
+        first = s.steps[0]
+        lines.append(f"{s.kind:<8} {first[0][0]:>7} {sum(n for chunks in s.steps for _, n in chunks):>5} "
+                     f"{len(first):>4} {len(s.steps):>5} {meas:>11.2f} {got:>10.2f} {100 * rel[-1]:>6.1f}%")
     lines.append(f"relative residual: RMS {100 * float(np.sqrt(np.mean(np.square(rel)))):.1f} %, "
                  f"largest {100 * max(abs(r) for r in rel):.1f} % over {len(samples)} medians")
     return lines
@@ -114,7 +134,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
 
-def measure_prefill(server, rng, plan, tick) -> list[Sample]:
+def measure_prefill(server, rng, plan, budget: int, tick) -> list[Sample]:
     out = []
     for p, ns in plan:
         prefix = _tokens(rng, p)
@@ -122,13 +142,13 @@ def measure_prefill(server, rng, plan, tick) -> list[Sample]:
             before = server.counters()["local"]
             _, ttft = server.complete(prefix, 1)
             hit = int(server.counters()["local"] - before)
-            out.append(Sample("prefill", ((hit, p - hit),), ttft))
+            out.append(Sample("prefill", prefill_steps(hit, p - hit, budget), ttft))
             tick()
         for n in ns:
             before = server.counters()["local"]
             _, ttft = server.complete(prefix + _tokens(rng, n), 1)
             hit = int(server.counters()["local"] - before)  # the context vLLM reused: its own count
-            out.append(Sample("prefill", ((hit, p + n - hit),), ttft))
+            out.append(Sample("prefill", prefill_steps(hit, p + n - hit, budget), ttft))
             tick()
     return out
 
@@ -149,9 +169,14 @@ def stream_times(server, prompt: list[int], max_tokens: int) -> list[float]:
     return times
 
 
-def measure_decode(server, rng, concurrency: int) -> Sample:
+def decode_plan(concurrency, kv_tokens: int) -> list[tuple[int, int]]:
+    """[(streams, prompt tokens)]: every concurrency at every decode context whose streams fit the KV space."""
+    return [(k, n) for n in DECODE_PROMPTS for k in concurrency if k * (n + DECODE_TOKENS) <= kv_tokens]
+
+
+def measure_decode(server, rng, concurrency: int, prompt_tokens: int) -> Sample:
     """A step of ``concurrency`` decode tokens: the median gap between streamed tokens while all decode."""
-    prompts = [_tokens(rng, DECODE_PROMPT) for _ in range(concurrency)]
+    prompts = [_tokens(rng, prompt_tokens) for _ in range(concurrency)]
     results: list[list[float]] = [[] for _ in prompts]
     errors: list[BaseException] = []
     start = threading.Barrier(concurrency)
@@ -171,8 +196,8 @@ def measure_decode(server, rng, concurrency: int) -> Sample:
     if errors:
         raise errors[0]
     gaps = [b - a for times in results for a, b in zip(times[DECODE_SKIP:], times[DECODE_SKIP + 1:])]
-    position = DECODE_PROMPT + (DECODE_SKIP + DECODE_TOKENS) // 2  # the middle of the gaps measured
-    return Sample("decode", ((position, 1),) * concurrency, statistics.median(gaps))
+    position = prompt_tokens + (DECODE_SKIP + DECODE_TOKENS) // 2  # the middle of the gaps measured
+    return Sample("decode", (((position, 1),) * concurrency,), statistics.median(gaps))
 
 
 def measure_copy(block_bytes: int) -> tuple[float, float]:
@@ -235,7 +260,7 @@ def calibrate(model: Path, *, out: Path, blocks: int | None, runs: int, contexts
 
     max_model_len = max_model_len or MAX_MODEL_LEN
     plan = prefill_plan(contexts, new_tokens, max_model_len)
-    total = runs * (sum(len(ns) + (p > 0) for p, ns in plan) + len(concurrency))
+    total = runs * sum(len(ns) + (p > 0) for p, ns in plan)  # and the decodes, once the KV space is known
     rng = random.Random(SEED)
     samples: list[Sample] = []
     work = Path(tempfile.mkdtemp(prefix="chm-calibrate-"))  # vLLM's log: a failed start quotes it and keeps it
@@ -243,16 +268,19 @@ def calibrate(model: Path, *, out: Path, blocks: int | None, runs: int, contexts
     with tqdm(total=total, unit="req", disable=not progress, leave=False, desc="chm hymcache calibrate",
               file=sys.stderr) as bar:
         bar.set_postfix_str("starting vllm serve")
-        with VllmServer(model, dtype=DTYPE, blocks=blocks, max_model_len=max_model_len, log=log) as server:
+        with VllmServer(model, dtype=DTYPE, blocks=blocks, max_model_len=max_model_len, log=log,
+                        extra_args=("--max-num-batched-tokens", str(STEP_BUDGET))) as server:
             server.wait_ready()
             block_tokens, kv_blocks = cache_config(server)
+            decodes = decode_plan(concurrency, block_tokens * kv_blocks)
+            bar.total += runs * len(decodes)
             server.complete(_tokens(rng, 16), 2)  # the first request pays one-time setup: not a step
             for r in range(runs):
                 bar.set_postfix_str(f"run {r + 1}/{runs}: prefill")
-                samples += measure_prefill(server, rng, plan, lambda: bar.update(1))
+                samples += measure_prefill(server, rng, plan, STEP_BUDGET, lambda: bar.update(1))
                 bar.set_postfix_str(f"run {r + 1}/{runs}: decode")
-                for k in concurrency:
-                    samples.append(measure_decode(server, rng, k))
+                for k, prompt_tokens in decodes:
+                    samples.append(measure_decode(server, rng, k, prompt_tokens))
                     bar.update(1)
     shutil.rmtree(work, ignore_errors=True)
     kv_bytes = kv_bytes_per_token(model, DTYPE_BYTES)
@@ -262,7 +290,8 @@ def calibrate(model: Path, *, out: Path, blocks: int | None, runs: int, contexts
     spec = Checks(ValueError).convert(dict(
         kind=MEASURED, engine=engine_version(), model=PROFILE_MODEL, dtype=DTYPE,
         threads=len(os.sched_getaffinity(0)), measured_on=datetime.date.today().isoformat(), command=command,
-        max_model_len=max_model_len, **{k: round(v, 3) for k, v in coefficients.items()},
+        max_model_len=max_model_len, max_num_batched_tokens=STEP_BUDGET,
+        **{k: round(v, 3) for k, v in coefficients.items()},
         kv_bytes_per_token=kv_bytes, block_tokens=block_tokens, kv_blocks=kv_blocks, copy_gbps=round(copy_gbps, 3),
         copy_latency_ns=round(copy_latency_ns, 1)),
         MeasuredFile, "calibration: ")

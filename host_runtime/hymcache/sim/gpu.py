@@ -109,6 +109,8 @@ class MeasuredFile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     measured_on: _Text        # the date
     command: _Text            # the command that produced the file
     max_model_len: Annotated[int, Meta(ge=1, le=1 << 24)]  # contexts measured reach up to this (tokens)
+    max_num_batched_tokens: Annotated[int, Meta(ge=1, le=1 << 24)]  # the engine's token budget per step, measured
+                                                                     # with: the simulation's gpu.max_num_batched_tokens
     step_base_ns: _Ns
     per_token_ns: Annotated[float, Meta(gt=0, le=1e10)]
     per_position_ns: Annotated[float, Meta(ge=0, le=1e9)]
