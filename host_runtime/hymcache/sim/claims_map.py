@@ -184,6 +184,7 @@ def build_map(parameters: list[Parameter], where: dict[tuple[str, str, Any], int
         panels.append({"figure": p.figure, "key": p.key, "values": list(p.values), "preset": preset,
                        "source": p.source, "open": p.open, "claims": cells,
                        "statements": {v["name"]: v["statement"] for r in points for v in r["verdicts"]},
+                       "paper": {v["name"]: v["paper"] for r in points for v in r["verdicts"]},
                        "errors": [r["error"] for r in points], "wall_s": [r["wall_s"] for r in points]})
     return {"panels": panels, "notes": list(NOTES), "rule": _rule(), "tasks": len(records)}
 
@@ -223,10 +224,11 @@ def format_map(m: dict) -> str:
     for panel in m["panels"]:
         out.append(f"Fig. {panel['figure']}  {panel['key']}  (* the preset's value; source: {panel['source']})")
         if not panel["claims"]:
-            out.append("  no verdicts: " + "; ".join(e for e in panel["errors"] if e))
+            out.append("  no verdicts: " + "; ".join(dict.fromkeys(e for e in panel["errors"] if e)))
         else:
-            lines = [[name] + [cell_text(c) for c in cells] for name, cells in panel["claims"].items()]
-            out.append(format_columns(["claim"] + _heads(panel), lines))
+            lines = [[name, f"{panel['paper'][name]:g}"] + [cell_text(c) for c in cells]
+                     for name, cells in panel["claims"].items()]
+            out.append(format_columns(["claim", "paper"] + _heads(panel), lines))
         out.append("")
     out += [f"note: {n}" for n in m["notes"]]
     return "\n".join(out)
@@ -242,10 +244,10 @@ def markdown(m: dict) -> str:
     for panel in m["panels"]:
         out += ["", f"## Fig. {panel['figure']}: `{panel['key']}`", ""]
         if not panel["claims"]:
-            out.append("No verdicts: " + "; ".join(e for e in panel["errors"] if e))
+            out.append("No verdicts: " + "; ".join(dict.fromkeys(e for e in panel["errors"] if e)))
             continue
-        out += ["| claim | " + " | ".join(_heads(panel)) + " |", "|---" * (len(panel["values"]) + 1) + "|"]
-        out += [f"| `{name}` | " + " | ".join(cell_text(c) for c in cells) + " |"
+        out += ["| claim | paper | " + " | ".join(_heads(panel)) + " |", "|---" * (len(panel["values"]) + 2) + "|"]
+        out += [f"| `{name}` | {panel['paper'][name]:g} | " + " | ".join(cell_text(c) for c in cells) + " |"
                 for name, cells in panel["claims"].items()]
         errors = [f"{value_text(panel['key'], v)}: {e}" for v, e in zip(panel["values"], panel["errors"]) if e]
         if errors:
@@ -278,7 +280,8 @@ def plot_map(m: dict, path: Path) -> None:
             for x, c in enumerate(panel["claims"].get(n, [])):
                 ax.text(x, y, cell_text(c), ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(panel["values"])), _heads(panel), fontsize=8)
-        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_yticks(range(len(names)), [f"{n} (paper {panel['paper'][n]:g})" if n in panel["paper"] else n
+                                          for n in names], fontsize=7)
         if panel["preset"] in panel["values"]:
             x = panel["values"].index(panel["preset"])
             ax.add_patch(Rectangle((x - 0.5, -0.5), 1, len(names), fill=False, edgecolor="black", linewidth=2))

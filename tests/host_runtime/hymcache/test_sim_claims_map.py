@@ -65,7 +65,7 @@ def test_a_map_point_is_evaluate_of_a_direct_simulate(tmp_path):
     (panel,) = m["panels"]
     assert panel["values"] == [953.0, 1271.0, 1589.0, 1907.0] and panel["preset"] == 953.0
     text = claims_map.format_map(m)
-    assert "953*" in text and "fig13.hymcache_hit_rate_near_90" in text and "| claim | 953* |" in paths[1].read_text()
+    assert "953*" in text and "fig13.hymcache_hit_rate_near_90" in text and "| claim | paper | 953* |" in paths[1].read_text()
     for i, value in enumerate(panel["values"]):
         s = {**load_settings(preset_path("13")), **SMALL, "workload.turn_tokens": value}
         direct = evaluate("13", simulate(s))
