@@ -32,6 +32,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import dataclass
@@ -242,7 +243,7 @@ def profile_text(spec: MeasuredFile, residuals: list[str], notes: list[str]) -> 
     head = ["# A measured worker profile (host_runtime/hymcache/sim/gpu.py: MeasuredFile; sim/calibrate.py wrote it).",
             "# step_ns = step_base_ns + per_token_ns x tokens + per_position_ns x (sum of the new tokens' positions)",
             "#           + per_sequence_ns x sequences  (gpu.measured_step_ns); KV space: kv_blocks of block_tokens.",
-            *[f"# {n}" for n in notes], "# Fit residuals (medians of the runs; context = tokens vLLM reused):",
+            *[f"# {line}" for n in notes for line in textwrap.wrap(n, 116, break_on_hyphens=False)], "# Fit residuals (medians of the runs; context = tokens vLLM reused):",
             *[f"#   {r}" for r in residuals]]
     body = []
     for key, value in msgspec.structs.asdict(spec).items():
