@@ -197,6 +197,9 @@ def measure_decode(server, rng, concurrency: int, prompt_tokens: int) -> Sample:
     if errors:
         raise errors[0]
     gaps = [b - a for times in results for a, b in zip(times[DECODE_SKIP:], times[DECODE_SKIP + 1:])]
+    if not gaps:
+        raise RuntimeError(f"vllm serve streamed {[len(t) for t in results]} tokens to {concurrency} decode streams "
+                           f"asked for {DECODE_TOKENS} each: no gap after the first {DECODE_SKIP} to time")
     position = prompt_tokens + (DECODE_SKIP + DECODE_TOKENS) // 2  # the middle of the gaps measured
     return Sample("decode", (((position, 1),) * concurrency,), statistics.median(gaps))
 
