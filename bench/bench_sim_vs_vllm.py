@@ -41,6 +41,9 @@ SETTINGS = ROOT / "bench" / "sim_vs_vllm.toml"
 SIM_TIER = {"recompute": "recompute", "prefix": "gpu-prefix", "hymcache-lru": "cmm-h", "hymcache": "hymcache"}
 TTFT_BOUND = 0.25            # issue 25: simulated TTFT p50 within +-25 % of the real one
 HIT_BOUND_POINTS = 5.0       # issue 25: hit rate within +-5 points
+# vLLM's block pool keeps one block out of use (vllm/v1/core/block_pool.py: null_block = free_block_queue.popleft()):
+# an engine whose KV holds kv_blocks blocks for requests is started with --num-gpu-blocks-override kv_blocks + 1
+VLLM_NULL_BLOCKS = 1
 TOKEN_FIELDS = ("gpu_hit_tokens", "loaded_tokens", "recomputed_tokens", "computed_tokens")
 COLUMNS = ("tier (real / sim)", "turn", "TTFT p50 ms sim / real", "sim / real", "hit % sim / real",
            "GPU-hit tok sim / real", "loaded tok sim / real", "recomputed tok sim / real", "within bounds")
@@ -61,7 +64,7 @@ def sim_settings(turns_file: Path, tiers: list[str], path: Path = SETTINGS) -> d
 
 def engine_setup(s: dict) -> dict:
     """What the real engine is started with, from the simulator's settings (one definition of it): the measured
-    profile's KV blocks (``--num-gpu-blocks-override``), model length and dtype. ValueError naming the setting
+    profile's KV blocks (``--num-gpu-blocks-override``: those and vLLM's null block), model length and dtype. ValueError naming the setting
     where the settings and the engine bench_vllm runs disagree."""
     from common.checks import outside
     from host_runtime.hymcache.sim.gpu import MeasuredGpu, load_serving_gpu
@@ -83,7 +86,7 @@ def engine_setup(s: dict) -> dict:
             raise ValueError(outside(field, value, f"{want} (as bench_vllm runs the real engine)"))
     if s["workload.client"] != "turn-barrier":
         raise ValueError(outside("workload.client", s["workload.client"], "turn-barrier (bench_vllm's client)"))
-    return {"blocks": spec.kv_blocks, "max_model_len": spec.max_model_len, "dtype": spec.dtype}
+    return {"blocks": spec.kv_blocks + VLLM_NULL_BLOCKS, "max_model_len": spec.max_model_len, "dtype": spec.dtype}
 
 
 def simulate(s: dict, turns) -> dict[str, list[dict]]:
