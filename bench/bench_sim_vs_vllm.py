@@ -20,7 +20,7 @@ and computed. The bounds (issue 25's acceptance): TTFT p50 within +-25 % of the 
 points. Output: a table on stdout; bench/results/bench_sim_vs_vllm.{json,md} (result_files) and
 bench_sim_vs_vllm.png (TTFT and hit rate per turn, real solid, simulated dashed).
 
-    .venv/bin/python -m bench bench_sim_vs_vllm        # defaults: 6 x 4 turns, 3 runs, 4 tiers (~12 min on 2 cores)
+    .venv/bin/python -m bench bench_sim_vs_vllm        # 8 x 4 turns, 3 runs, 4 tiers (~15 min on 2 cores)
     .venv/bin/python -m bench.bench_sim_vs_vllm --runs 1 --conversations 3 --turns 3 --tiers prefix,hymcache
 """
 
@@ -31,6 +31,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_ttft, ax_hit) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_ttft, ax_hit) = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, tier in enumerate(dict.fromkeys(r["tier"] for r in rows)):
         mine = [r for r in rows if r["tier"] == tier]
@@ -187,8 +188,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax_hit.set(xlabel="turn", ylabel="hit rate (%)", ylim=(-5, 105))
     for ax in (ax_ttft, ax_hit):
         ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
     ax_hit.legend(fontsize=7)
-    fig.suptitle(title, fontsize=8)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -196,7 +198,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_sim_vs_vllm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=256, help="new prompt tokens per turn, at least (default 256)")
     p.add_argument("--runs", type=int, default=3, help="interleaved runs of the real engine per tier (default 3)")
@@ -247,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(runs, sim, turns)
     print(table(rows))
     setting = (f"{args.conversations} conversations x {args.turns} turns, >= {args.turn_tokens} new tokens a turn, "
-               f"{OUTPUT_TOKENS} output token, vLLM KV {engine['blocks']} blocks x {BLOCK_TOKENS} tokens, "
+               f"{OUTPUT_TOKENS} output token, vLLM KV {engine['blocks'] - VLLM_NULL_BLOCKS} blocks x {BLOCK_TOKENS} tokens "
+               f"(--num-gpu-blocks-override {engine['blocks']}), "
                f"{args.runs} interleaved runs; simulator: {args.settings.name}, gpu.profile {s['gpu.profile']}")
     within = {"ttft": all(r["ttft_ok"] for r in rows), "hit_rate": all(r["hit_ok"] for r in rows)}
     print(f"all turns within bounds: TTFT (+-{100 * TTFT_BOUND:.0f} %) {within['ttft']}, hit rate "
