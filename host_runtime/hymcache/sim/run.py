@@ -21,7 +21,8 @@ Definitions (issue #12):
 * ``skipped_inserts``: blocks offered to the remote tier and not stored (write buffer full, no
   staging room); they are offered again next turn.
 * ``ttft``: arrival at the worker to the first token; ``e2e``: arrival to the last token (the mean
-  over the turn's requests).
+  over the turn's requests). ``ttft_deciles_ms``: the turn's TTFT at each of ``TTFT_QUANTILES`` (its
+  distribution, as a latency CDF shows it).
 * A speedup is a ratio of makespans (the whole workload's completion time).
 """
 
@@ -45,7 +46,9 @@ ROW_FIELDS = ("tier", "turn", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "e2e_ms"
               "skipped_inserts", "recomputed_tokens")
 EXTRA_FIELDS = ("read_gbps_loading", "read_gbps_peak", "gpu_hit_rate", "reuse_rate", "ttft_mean_ms", "turn_s",
                 "requests", "reusable_tokens",
-                "gpu_hit_tokens", "loaded_tokens", "computed_tokens", "timeouts", "base_tier", "staging_bytes")
+                "gpu_hit_tokens", "loaded_tokens", "computed_tokens", "timeouts", "base_tier", "staging_bytes",
+                "ttft_deciles_ms")
+TTFT_QUANTILES = (10, 20, 30, 40, 50, 60, 70, 80, 90)  # percentiles of a turn's TTFT (ttft_deciles_ms)
 # tiers whose transfers go through the staging buffer
 USES_STAGING = ("mooncake-dram", "mooncake-nvmeof", "hymcache", "hymcache-noprefetch", "cmm-h")
 
@@ -251,6 +254,7 @@ class TurnStats:
             "gpu_hit_rate": self.gpu_hit / self.reusable if self.reusable else None,
             "reuse_rate": (self.gpu_hit + self.loaded) / self.reusable if self.reusable else None,
             "ttft_mean_ms": sum(self.ttft) / len(self.ttft) / 1e6 if self.ttft else 0.0,
+            "ttft_deciles_ms": [_pct(self.ttft, q) / 1e6 for q in TTFT_QUANTILES],
             "turn_s": span, "requests": len(self.ttft), "reusable_tokens": self.reusable * B,
             "gpu_hit_tokens": self.gpu_hit * B, "loaded_tokens": self.loaded * B,
             "computed_tokens": self.computed, "timeouts": self.timeouts,
