@@ -293,6 +293,11 @@ CLAIMS = (
 BY_NAME = {c.name: c for c in CLAIMS}
 
 
+def paper_text(paper: float | list | tuple) -> str:
+    """A verdict's paper number as text: ``0.9``, or a range ``0.1-0.5``."""
+    return "-".join(f"{x:g}" for x in paper) if isinstance(paper, (list, tuple)) else f"{paper:g}"
+
+
 def figures() -> list[str]:
     """The figures that have claims, in order."""
     return sorted({c.figure for c in CLAIMS}, key=int)
@@ -332,8 +337,7 @@ def _claims(args) -> int:
     width = max(len(v["name"]) for v in verdicts)
     for v in verdicts:
         measured = "-" if v["measured"] is None else f"{v['measured']:.3g}"
-        paper = "-".join(f"{x:g}" for x in v["paper"]) if isinstance(v["paper"], list) else f"{v['paper']:g}"
-        print(f"{v['name']:<{width}}  paper {paper:<8} measured {measured:<6} "
+        print(f"{v['name']:<{width}}  paper {paper_text(v['paper']):<8} measured {measured:<6} "
               f"{'holds' if v['holds'] else 'FAILS'} ({v['rule']})")
     held = sum(v["holds"] for v in verdicts)
     print(f"{held} of {len(verdicts)} claims hold at the presets")
