@@ -20,7 +20,7 @@ and computed. The bounds (issue 25's acceptance): TTFT p50 within +-25 % of the 
 points. Output: a table on stdout; bench/results/bench_sim_vs_vllm.{json,md} (result_files) and
 bench_sim_vs_vllm.png (TTFT and hit rate per turn, real solid, simulated dashed).
 
-    .venv/bin/python -m bench bench_sim_vs_vllm        # 8 x 4 turns, 3 runs, 4 tiers (~15 min on 2 cores)
+    .venv/bin/python -m bench bench_sim_vs_vllm        # 8 x 4 turns, 3 runs, 4 tiers (~18 min on 2 cores)
     .venv/bin/python -m bench.bench_sim_vs_vllm --runs 1 --conversations 3 --turns 3 --tiers prefix,hymcache
 """
 
