@@ -24,6 +24,7 @@ from common.checks import outside
 from host_runtime.replay.models import get_model
 from host_runtime.replay.sweep import format_columns, run_tasks
 
+from .claims import paper_text
 from .config import BY_KEY, check, check_settings, load_settings, preset_path
 
 GB = 10 ** 9
@@ -226,7 +227,7 @@ def format_map(m: dict) -> str:
         if not panel["claims"]:
             out.append("  no verdicts: " + "; ".join(dict.fromkeys(e for e in panel["errors"] if e)))
         else:
-            lines = [[name, f"{panel['paper'][name]:g}"] + [cell_text(c) for c in cells]
+            lines = [[name, paper_text(panel['paper'][name])] + [cell_text(c) for c in cells]
                      for name, cells in panel["claims"].items()]
             out.append(format_columns(["claim", "paper"] + _heads(panel), lines))
         out.append("")
@@ -247,7 +248,7 @@ def markdown(m: dict) -> str:
             out.append("No verdicts: " + "; ".join(dict.fromkeys(e for e in panel["errors"] if e)))
             continue
         out += ["| claim | paper | " + " | ".join(_heads(panel)) + " |", "|---" * (len(panel["values"]) + 2) + "|"]
-        out += [f"| `{name}` | {panel['paper'][name]:g} | " + " | ".join(cell_text(c) for c in cells) + " |"
+        out += [f"| `{name}` | {paper_text(panel['paper'][name])} | " + " | ".join(cell_text(c) for c in cells) + " |"
                 for name, cells in panel["claims"].items()]
         errors = [f"{value_text(panel['key'], v)}: {e}" for v, e in zip(panel["values"], panel["errors"]) if e]
         if errors:
@@ -280,7 +281,7 @@ def plot_map(m: dict, path: Path) -> None:
             for x, c in enumerate(panel["claims"].get(n, [])):
                 ax.text(x, y, cell_text(c), ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(panel["values"])), _heads(panel), fontsize=8)
-        ax.set_yticks(range(len(names)), [f"{n} (paper {panel['paper'][n]:g})" if n in panel["paper"] else n
+        ax.set_yticks(range(len(names)), [f"{n} (paper {paper_text(panel['paper'][n])})" if n in panel["paper"] else n
                                           for n in names], fontsize=7)
         if panel["preset"] in panel["values"]:
             x = panel["values"].index(panel["preset"])

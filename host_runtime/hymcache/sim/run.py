@@ -40,7 +40,7 @@ from .gpucache import GpuPrefixCache
 from .tiers import (FsPath, GpuPrefixTier, HyMCacheTier, Host, LMCacheLocal, LMCacheRedis, MooncakeNvmeofTier,
                     MooncakePool, MooncakeTier, Nic, RecomputeTier, Redis, rdma)
 from .worker import DecodeWorker, Worker, client, open_client, session_client
-from .workload import aiperf_conversations, conversations, footprints, mooncake_requests
+from .workload import aiperf_conversations, conversations, footprints, mooncake_requests, recorded_turns
 
 ROW_FIELDS = ("tier", "turn", "hit_rate", "ttft_p50_ms", "ttft_p99_ms", "e2e_ms", "read_gbps", "write_gbps",
               "skipped_inserts", "recomputed_tokens")
@@ -146,6 +146,10 @@ def make_tier(name: str, env: Env, host: Host, s: dict, block_bytes: int):
 def make_turns(s: dict):
     """The workload of settings ``s``: ``result[t - 1]`` = turn t of every conversation."""
     P = s["topology.prefill_workers"] if s["topology.kind"] == "pd" else 1
+    if s["workload.kind"] == "turns":  # recorded turns (bench_vllm's workload): the file has every turn
+        from .config import trace_path
+
+        return recorded_turns(trace_path(s))
     if s["workload.kind"] == "mooncake":
         from .config import trace_path
 

@@ -240,3 +240,17 @@ def test_the_calibrated_presets_add_the_papers_prefix_footprint_a_turn(figure):
         assert all(v == pytest.approx(PAPER_TURN_GROWTH, rel=0.10) for k, v in growth.items() if k != "1-2")
     else:
         assert all(v > PAPER_TURN_GROWTH for k, v in growth.items() if k != "1-2")
+
+
+def test_simulate_on_recorded_turns_runs_the_files_conversations(tmp_path, capsys):
+    """``--workload turns --trace FILE``: the command runs the file's turns, not the LMSYS generator."""
+    from host_runtime.hymcache.sim.workload import write_turns
+
+    path = write_turns(tmp_path / "t.json", [[300, 200, 250], [400, 150, 100]], output_tokens=1)
+    out = tmp_path / "r.json"
+    rc = chm_main(["hymcache", "simulate", "--workload", "turns", "--trace", str(path), "--tiers", "gpu-prefix",
+                   "--no-progress", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["requests"] for r in rows] == [2, 2, 2]
+    assert json.loads(out.read_text())["workload"]["requests"] == 6
