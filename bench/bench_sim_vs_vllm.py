@@ -36,15 +36,15 @@ import time
 from pathlib import Path
 
 from bench import result_files
+from host_runtime.hymcache.vllm_serve import NULL_KV_BLOCKS
 from bench.bench_vllm import BLOCK_TOKENS, OUTPUT_TOKENS, ROOT, conversations, run_tier, write_workload
 
 SETTINGS = ROOT / "bench" / "sim_vs_vllm.toml"
 SIM_TIER = {"recompute": "recompute", "prefix": "gpu-prefix", "hymcache-lru": "cmm-h", "hymcache": "hymcache"}
 TTFT_BOUND = 0.25            # issue 25: simulated TTFT p50 within +-25 % of the real one
 HIT_BOUND_POINTS = 5.0       # issue 25: hit rate within +-5 points
-# vLLM's block pool keeps one block out of use (vllm/v1/core/block_pool.py: null_block = free_block_queue.popleft()):
-# an engine whose KV holds kv_blocks blocks for requests is started with --num-gpu-blocks-override kv_blocks + 1
-VLLM_NULL_BLOCKS = 1
+# an engine whose KV holds kv_blocks blocks for requests is started with --num-gpu-blocks-override kv_blocks + its null
+# block (vllm_serve.NULL_KV_BLOCKS)
 TOKEN_FIELDS = ("gpu_hit_tokens", "loaded_tokens", "recomputed_tokens", "computed_tokens")
 COLUMNS = ("tier (real / sim)", "turn", "TTFT p50 ms sim / real", "sim / real", "hit % sim / real",
            "GPU-hit tok sim / real", "loaded tok sim / real", "recomputed tok sim / real", "within bounds")
@@ -87,7 +87,7 @@ def engine_setup(s: dict) -> dict:
             raise ValueError(outside(field, value, f"{want} (as bench_vllm runs the real engine)"))
     if s["workload.client"] != "turn-barrier":
         raise ValueError(outside("workload.client", s["workload.client"], "turn-barrier (bench_vllm's client)"))
-    return {"blocks": spec.kv_blocks + VLLM_NULL_BLOCKS, "max_model_len": spec.max_model_len, "dtype": spec.dtype}
+    return {"blocks": spec.kv_blocks + NULL_KV_BLOCKS, "max_model_len": spec.max_model_len, "dtype": spec.dtype}
 
 
 def simulate(s: dict, turns) -> dict[str, list[dict]]:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(runs, sim, turns)
     print(table(rows))
     setting = (f"{args.conversations} conversations x {args.turns} turns, >= {args.turn_tokens} new tokens a turn, "
-               f"{OUTPUT_TOKENS} output token, vLLM KV {engine['blocks'] - VLLM_NULL_BLOCKS} blocks x {BLOCK_TOKENS} tokens "
+               f"{OUTPUT_TOKENS} output token, vLLM KV {engine['blocks'] - NULL_KV_BLOCKS} blocks x {BLOCK_TOKENS} tokens "
                f"(--num-gpu-blocks-override {engine['blocks']}), "
                f"{args.runs} interleaved runs; simulator: {args.settings.name}, gpu.profile {s['gpu.profile']}")
     within = {"ttft": all(r["ttft_ok"] for r in rows), "hit_rate": all(r["hit_ok"] for r in rows)}

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 600.0
+NULL_KV_BLOCKS = 1  # vLLM's block pool keeps one block out of use (v1/core/block_pool.py, its null block)
 MAX_MODEL_LEN = 4096     # tokens; vLLM refuses to start with fewer KV blocks than one sequence this long needs
 COUNTERS = {"prompt": "vllm:prompt_tokens_total", "local": "vllm:prefix_cache_hits_total",
             "external": "vllm:external_prefix_cache_hits_total"}

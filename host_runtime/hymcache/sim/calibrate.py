@@ -260,7 +260,7 @@ def calibrate(model: Path, *, out: Path, blocks: int | None, runs: int, contexts
     from tqdm import tqdm
 
     from common.checks import Checks
-    from host_runtime.hymcache.vllm_serve import MAX_MODEL_LEN, VllmServer, kv_bytes_per_token
+    from host_runtime.hymcache.vllm_serve import MAX_MODEL_LEN, NULL_KV_BLOCKS, VllmServer, kv_bytes_per_token
 
     max_model_len = max_model_len or MAX_MODEL_LEN
     plan = prefill_plan(contexts, new_tokens, max_model_len)
@@ -275,7 +275,8 @@ def calibrate(model: Path, *, out: Path, blocks: int | None, runs: int, contexts
         with VllmServer(model, dtype=DTYPE, blocks=blocks, max_model_len=max_model_len, log=log,
                         extra_args=("--max-num-batched-tokens", str(STEP_BUDGET))) as server:
             server.wait_ready()
-            block_tokens, kv_blocks = cache_config(server)
+            block_tokens, engine_blocks = cache_config(server)
+            kv_blocks = engine_blocks - NULL_KV_BLOCKS  # what requests can use: the profile's KV space
             decodes = decode_plan(concurrency, block_tokens * kv_blocks)
             bar.total += runs * len(decodes)
             server.complete(_tokens(rng, 16), 2)  # the first request pays one-time setup: not a step

@@ -27,13 +27,14 @@ import statistics
 
 import pytest
 
-from bench.bench_sim_vs_vllm import (SETTINGS, SIM_TIER, TOKEN_FIELDS, VLLM_NULL_BLOCKS, engine_setup, real_rows,
+from bench.bench_sim_vs_vllm import (SETTINGS, SIM_TIER, TOKEN_FIELDS, engine_setup, real_rows,
                                      sim_settings)
 from bench.bench_vllm import OUTPUT_TOKENS, conversations, run_tier, write_workload
 from host_runtime.hymcache.sim.config import check_settings, load_settings
 from host_runtime.hymcache.sim.gpu import load_serving_gpu, measured_step_ns
 from host_runtime.hymcache.sim.run import simulate_tier
 from host_runtime.hymcache.sim.workload import recorded_turns, write_turns
+from host_runtime.hymcache.vllm_serve import NULL_KV_BLOCKS
 from tests.conftest import require_oracle
 
 CONVERSATIONS, TURNS, TURN_TOKENS, SEED = 4, 3, 600, 13
@@ -82,7 +83,7 @@ def test_the_comparisons_settings_are_the_engines(tmp_path):
     s = sim_settings(path, ["prefix"])
     spec = load_serving_gpu(s["gpu.profile"]).spec
     assert s["tiers.run"] == ["gpu-prefix"] and s["workload.concurrency"] == 1
-    assert engine_setup(s) == {"blocks": spec.kv_blocks + VLLM_NULL_BLOCKS, "max_model_len": spec.max_model_len,
+    assert engine_setup(s) == {"blocks": spec.kv_blocks + NULL_KV_BLOCKS, "max_model_len": spec.max_model_len,
                                "dtype": spec.dtype}
     for key, value in (("workload.concurrency", 2), ("model.tokens_per_block", 64), ("workload.max_tokens", 4),
                        ("gpu.max_num_batched_tokens", spec.max_num_batched_tokens + 1)):
