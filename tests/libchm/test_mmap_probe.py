@@ -1,4 +1,4 @@
-"""The kernel probe of chm_mmap (docs/mmap-design.md): tools/mmap_probe/uffd_probe.c, built with cc and run.
+"""The kernel probe of chm_mmap (docs/mmap-design.md): tools/mmap_probe/, built with cc and run.
 
 Each check the design relies on must pass where the kernel has it; where it lacks a feature the test skips,
 naming it. A check the probe runs but that fails on a kernel that has the feature is a failure.
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = ROOT / "tools" / "mmap_probe" / "uffd_probe.c"
+PROBE_DIR = ROOT / "tools" / "mmap_probe"
+SOURCES = ("uffd_probe.c", "probe_common.c", "probe_costs.c")
 LINE = re.compile(r"^(?P<name>\w+): (?P<state>ok|missing)(?: \(errno (?P<errno>\d+): [^)]*\))?(?P<detail>.*)$")
 
 # The kernel features the design needs (docs/mmap-design.md, "Mechanism"); without one, chm_mmap is -EOPNOTSUPP.
@@ -20,7 +21,8 @@ FEATURES = ("feature_MISSING_SHMEM", "feature_MINOR_SHMEM", "feature_SIGBUS", "f
 # What the design does with them; each is run only where the features above are there.
 BEHAVIOURS = ("register_missing_anon", "map_frame_on_fault", "withdraw_refaults", "punch_traps_minor",
               "punch_traps_missing", "wp_shmem_first_write", "sigbus_beyond_eof", "sigbus_blocked_faulter",
-              "fault_cost_uffd_sigbus", "max_map_count", "per_frame_vmas", "pidfd_poll_death")
+              "fault_cost_uffd_sigbus", "sigbus_mode_syscall_efault", "remote_writeprotect", "max_map_count",
+              "per_frame_vmas", "pidfd_poll_death")
 
 
 def run_probe(tmp_path: Path, env: dict | None = None) -> dict[str, re.Match]:
@@ -29,7 +31,8 @@ def run_probe(tmp_path: Path, env: dict | None = None) -> dict[str, re.Match]:
     if cc is None:
         pytest.skip("no C compiler (cc) to build tools/mmap_probe/uffd_probe.c")
     exe = tmp_path / "uffd_probe"
-    subprocess.run([cc, "-O2", "-Wall", "-Wextra", "-Werror", "-pthread", str(PROBE), "-o", str(exe)], check=True)
+    subprocess.run([cc, "-O2", "-Wall", "-Wextra", "-Werror", "-pthread", *(str(PROBE_DIR / f) for f in SOURCES),
+                    "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env, check=True).stdout
     checks = {}
     for line in out.splitlines()[1:]:  # the first line names the kernel
