@@ -24,6 +24,8 @@ Experiments (all in virtual time on the emulator's controller, data off):
                    prefetch on and off),
                    every tier of the preset; the table as the command prints it, JSON and PNG to
                    ``bench/results/sim/figN.{json,png}``.
+* ``claims``    -- every claim of the paper's serving evaluation judged at the presets (``chm hymcache claims``);
+                   ``bench/results/claims/claims.{json,md}`` (the README's table).
 * ``claims-map`` -- the claims map (``chm hymcache sweep --claims``): every parameter the paper leaves open
                    (host_runtime/hymcache/sim/claims_map.py PARAMETERS), each value one simulation of its figure's
                    preset on Dask, judged by the paper's claims; ``bench/results/claims_map/claims_map.{json,md,png}``.
@@ -310,7 +312,18 @@ def sim15() -> None:
     _sim("15")
 
 
+CLAIMS_OUT = ROOT / "bench" / "results" / "claims"
 CLAIMS_MAP_OUT = ROOT / "bench" / "results" / "claims_map"
+
+
+def claims() -> None:
+    """``chm hymcache claims --out bench/results/claims``: every claim's verdict at the presets."""
+    from host_runtime.hymcache.sim.claims import figures, judge, markdown, write_verdicts
+
+    print("== The paper's serving claims at the presets (chm hymcache claims) ==")
+    verdicts = judge(figures(), progress=sys.stderr.isatty())
+    print("\n".join("  " + line for line in markdown(verdicts).splitlines()))
+    print(f"  wrote {', '.join(str(p) for p in write_verdicts(verdicts, CLAIMS_OUT))}")
 
 
 def claims_map() -> None:
@@ -327,7 +340,7 @@ def claims_map() -> None:
 
 EXPERIMENTS = {"fig5": fig5, "hymcache": hymcache, "randread": randread, "mooncake": mooncake,
                "sim13": sim13, "sim10": sim10, "sim12": sim12, "sim11": sim11, "sim14": sim14, "sim15": sim15,
-               "claims-map": claims_map}
+               "claims": claims, "claims-map": claims_map}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -304,7 +304,7 @@ def calibrate(model: Path, *, out: Path, blocks: int | None, runs: int, contexts
     notes = [f"Measured {spec.measured_on} on {spec.threads} CPU threads, {runs} run(s), prompts of its own "
              f"(seed {SEED}, token ids {TOKEN_RANGE[0]}-{TOKEN_RANGE[1] - 1}), --num-gpu-blocks-override "
              f"{blocks if blocks else 'none'}.",
-             "The lead re-measures this on a quiet machine: this run shared its 2 cores with other work."]
+             "Measure on an otherwise idle machine: other work on its cores lengthens every step."]
     out.write_text(profile_text(spec, residuals, notes))
     return spec, residuals
 

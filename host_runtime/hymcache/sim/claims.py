@@ -319,18 +319,47 @@ def register(sub) -> None:
     p.add_argument("--figure", action="append", choices=figures(), metavar="N",
                    help=f"only this figure's claims (repeatable; default all: {', '.join(figures())})")
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    p.add_argument("--out", metavar="DIR", help="also write DIR/claims.json and DIR/claims.md (the verdicts' table)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=_claims)
 
 
-def _claims(args) -> int:
+def markdown(verdicts: list[dict]) -> str:
+    """The verdicts as a markdown table, one row a claim (what the README shows)."""
+    lines = ["| claim | the paper | measured | verdict | rule |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        measured = "not defined" if v["measured"] is None else f"{v['measured']:.3g}"
+        lines.append(f"| `{v['name']}` | {paper_text(v['paper'])} | {measured} | "
+                     f"{'holds' if v['holds'] else '**fails**'} | {v['rule']} |")
+    held = sum(v["holds"] for v in verdicts)
+    return "\n".join(lines) + f"\n\n{held} of {len(verdicts)} claims hold at the presets.\n"
+
+
+def judge(figures_: list[str], progress: bool = False) -> list[dict]:
+    """Every claim of ``figures_``, each figure's preset simulated once."""
     from .config import load_settings, preset_path
     from .run import simulate
 
     verdicts = []
-    for figure in args.figure or figures():
-        result = simulate(load_settings(preset_path(figure)), progress=not args.no_progress and sys.stderr.isatty())
-        verdicts += evaluate(figure, result)
+    for figure in figures_:
+        verdicts += evaluate(figure, simulate(load_settings(preset_path(figure)), progress=progress))
+    return verdicts
+
+
+def write_verdicts(verdicts: list[dict], out) -> list:
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "claims.json").write_text(json.dumps(verdicts, indent=1) + "\n")
+    (out / "claims.md").write_text(markdown(verdicts))
+    return [out / "claims.json", out / "claims.md"]
+
+
+def _claims(args) -> int:
+    verdicts = judge(args.figure or figures(), progress=not args.no_progress and sys.stderr.isatty())
+    if args.out:
+        write_verdicts(verdicts, args.out)
     if args.json:
         print(json.dumps(verdicts, indent=2))
         return 0
