@@ -72,9 +72,14 @@ def test_every_claim_is_named_by_its_figure_and_judged_on_it():
     assert claims.RATIO_TOLERANCE == 0.10 and claims.TURN_TOLERANCE == 1  # the rule the docs state
 
 
-def test_the_command_judges_the_preset(capsys):
-    assert chm_main(["hymcache", "claims", "--figure", "13", "--json", "--no-progress"]) == 0
+def test_the_command_judges_the_preset(capsys, tmp_path):
+    assert chm_main(["hymcache", "claims", "--figure", "13", "--json", "--no-progress", "--out", str(tmp_path)]) == 0
     verdicts = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "claims.json").read_text()) == verdicts
+    table = (tmp_path / "claims.md").read_text()
+    for v in verdicts:  # one row a claim, its verdict as judged
+        row = next(line for line in table.splitlines() if f"`{v['name']}`" in line)
+        assert ("holds" if v["holds"] else "**fails**") in row
     assert [v["name"] for v in verdicts] == [c.name for c in CLAIMS if c.figure == "13"]
     for v in verdicts:
         assert set(v) == {"name", "figure", "statement", "paper", "measured", "holds", "rule"}
@@ -232,3 +237,16 @@ def test_every_figure_with_claims_is_a_choice_of_the_command(capsys):
     assert chm_main(["hymcache", "claims", "--figure", "9"]) == 2
     err = capsys.readouterr().err
     assert "invalid choice: '9'" in err and ", ".join(repr(f) for f in figures()) in err
+
+
+def test_the_readme_shows_the_committed_verdicts():
+    """README's claims table is bench/results/claims/claims.md (make repro REPRO=claims) row for row, and that file
+    judges every claim there is."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    committed = json.loads((root / "bench/results/claims/claims.json").read_text())
+    assert sorted(v["name"] for v in committed) == sorted(c.name for c in CLAIMS)
+    readme = (root / "README.md").read_text()
+    rows = [line for line in (root / "bench/results/claims/claims.md").read_text().splitlines() if line.startswith("| `")]
+    assert len(rows) == len(CLAIMS) and all(row in readme for row in rows)
