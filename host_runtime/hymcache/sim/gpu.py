@@ -143,15 +143,20 @@ class MeasuredGpu:
         return self.spec.copy_latency_ns
 
 
+def positions(start: int, n: int) -> int:
+    """The sum of the positions of tokens [start, start + n) of one sequence."""
+    return n * start + n * (n - 1) // 2
+
+
 def step_terms(chunks) -> tuple[int, int, int]:
     """(tokens, sum of their positions, sequences) of a batch of (start position, tokens) chunks: what a measured
     step time is linear in (``measured_step_ns``; sim/calibrate.py fits on the same terms)."""
-    tokens = positions = sequences = 0
+    tokens = position_sum = sequences = 0
     for start, n in chunks:
         tokens += n
-        positions += n * start + n * (n - 1) // 2
+        position_sum += positions(start, n)
         sequences += 1
-    return tokens, positions, sequences
+    return tokens, position_sum, sequences
 
 
 def measured_step_ns(coefficients, chunks) -> float:
@@ -211,7 +216,7 @@ class StepModel:
 
     def flops(self, start: int, n: int) -> float:
         """FLOPs of tokens [start, start + n) of one sequence (each attends to itself and all before it)."""
-        return self.prefill.flops(n, n * start + n * (n - 1) // 2)
+        return self.prefill.flops(n, positions(start, n))
 
     def step_ns(self, chunks) -> float:
         """``chunks``: (start position, tokens) per sequence in the batch (a decode token is (pos, 1))."""
