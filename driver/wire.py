@@ -27,6 +27,8 @@ ffi, lib = _mod.ffi, _mod.lib
 # The device's statistics (chm_stats.h): counters the controller keeps, gauges of its state now.
 STATS_COUNTERS = wire_build.stats_fields("COUNTERS")
 STATS_GAUGES = wire_build.stats_fields("GAUGES")
+STATS_MAP = wire_build.stats_fields("MAP")  # chm_mmap's, kept by the device server
+STATS_FIELDS = STATS_COUNTERS + STATS_GAUGES + STATS_MAP  # the wire's order (CHM_STATS_FIELDS)
 
 
 class NodeError(OSError):

@@ -24,7 +24,7 @@ STATS_HEADER = INCLUDE / "chm_stats.h"
 
 
 def stats_fields(kind: str) -> tuple[str, ...]:
-    """The field names of ``CHM_STATS_<kind>`` (COUNTERS or GAUGES) in chm_stats.h, in order."""
+    """The field names of ``CHM_STATS_<kind>`` (COUNTERS, GAUGES or MAP) in chm_stats.h, in order."""
     text = STATS_HEADER.read_text()
     start = text.index(f"#define CHM_STATS_{kind}(X)")
     body = text[start: text.index("\n\n", start)]
@@ -33,7 +33,7 @@ def stats_fields(kind: str) -> tuple[str, ...]:
 
 def expand_stats_fields(text: str) -> str:
     """cffi's cdef parser takes no function-like macros: spell out ``CHM_STATS_FIELDS(CHM_STATS_U64)``."""
-    fields = stats_fields("COUNTERS") + stats_fields("GAUGES")
+    fields = stats_fields("COUNTERS") + stats_fields("GAUGES") + stats_fields("MAP")
     return text.replace("CHM_STATS_FIELDS(CHM_STATS_U64)", " ".join(f"uint64_t {name};" for name in fields))
 
 

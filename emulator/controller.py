@@ -215,6 +215,8 @@ class Controller(NativePaths, SequentialOps, WritePath, PrefetchCommands):
         if ins.victim_page is not None:
             self.stats["evictions"] += 1
             if ins.victim_dirty:
+                if self.frames.before_snapshot is not None:
+                    self.frames.before_snapshot(ins.frame)
                 ready = self.flusher.write_back(ins.frame, ins.victim_page, now)
         self.frames.reuse(ins.frame)  # a frame is only reused once its earlier read has landed
         return ready

@@ -63,6 +63,11 @@ class Frames:
         self.write_seq = array("q", bytes(8 * count))
         self.read_error: dict[int, ChmError] = {}
         self._read_error_logged: tuple | None = None  # (errno, file) last logged: each kind once in a row
+        # chm_mmap's hooks (emulator/serve/mapping.py), None without mappings: before_snapshot(frame) runs
+        # before a frame's bytes are written to the media (clients' writes must trap again after it);
+        # before_reuse(frame) before a frame receives another page's bytes (clients' mappings must go).
+        self.before_snapshot = None
+        self.before_reuse = None
 
     def view(self, frame: int, start: int = 0, end: int | None = None) -> memoryview:
         """The bytes [start, end) of ``frame`` (to its end when ``end`` is None)."""
@@ -93,6 +98,8 @@ class Frames:
         """The policy gave ``frame`` to another page: its earlier read must have landed, and its error goes."""
         self.settle(frame)
         self.read_error.pop(frame, None)
+        if self.before_reuse is not None:
+            self.before_reuse(frame)
 
     def drop_failed_reads(self, queued: bytearray) -> None:
         """Frames whose staging read failed leave DRAM once nobody pins them (and no flush waits on them:

@@ -374,8 +374,11 @@ class Flusher:
         page_of = self.policy.page_of
         frames = sorted(since, key=page_of)
         run: list[int] = []
+        before_snapshot = self.frames.before_snapshot
         for frame in frames:
             self.queued[frame] = 0
+            if before_snapshot is not None:
+                before_snapshot(frame)
             if frame in self._held_dirty:  # pinned since its last flush failed: the flight takes that pin over
                 self._held_dirty.discard(frame)
             else:

@@ -26,7 +26,14 @@
 #define CHM_STATS_GAUGES(X) \
     X(dirty_pages) X(prefetch_pages_held) X(clients) X(clock_ns)
 
-#define CHM_STATS_FIELDS(X) CHM_STATS_COUNTERS(X) CHM_STATS_GAUGES(X)
+/* chm_mmap's counters, kept by the device server (emulator/serve/mapping.py): faults served (a mapped page's
+ * first touch per residency, and first writes), leases not acked in time, clients cut off for that, frames
+ * punched out of clients' mappings before reuse, and writable pages write-protected before a snapshot. */
+#define CHM_STATS_MAP(X) \
+    X(map_faults) X(map_write_faults) X(map_leases_expired) X(map_clients_cut_off) X(map_punches) \
+    X(map_writeprotects)
+
+#define CHM_STATS_FIELDS(X) CHM_STATS_COUNTERS(X) CHM_STATS_GAUGES(X) CHM_STATS_MAP(X)
 #define CHM_STATS_U64(name) uint64_t name;
 
 #endif

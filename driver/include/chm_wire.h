@@ -50,7 +50,7 @@
 
 /* ---- cdef begin ---- */
 #define CHM_WIRE_MAGIC 0x43484d31
-#define CHM_WIRE_VERSION 4
+#define CHM_WIRE_VERSION 5
 #define CHM_QP_MAGIC 0x43485150
 #define CHM_NAME_MAX 32
 #define CHM_PROFILE_MAX 192
@@ -65,11 +65,22 @@
 #define CHM_OP_RELEASE 7
 #define CHM_OP_STATS 8
 #define CHM_OP_STATS_JSON 9
-#define CHM_OP_MAX 9
+#define CHM_OP_MAP_FAULT 10             /* make page addr resident and lease its frame (chm_mmap, below) */
+#define CHM_OP_MAP_ACK 11               /* lease handle installed (or given up): its frame may be reused */
+#define CHM_OP_MAX 11
 
 /* WAIT flags. LOOK: with the object's media reads still in flight, answer -EAGAIN at once instead of
  * waiting for them (the modelled-time bound still applies as timeout_ns says). */
 #define CHM_WAIT_LOOK 1
+
+/* MAP_FAULT flags. WRITE: the page is to be written (admitted as a one-page write, marked dirty). */
+#define CHM_FAULT_WRITE 1
+/* MAP_ACK flags. FAILED: the lease was not installed. */
+#define CHM_ACK_FAILED 1
+/* A MAP_FAULT's result, a lease: (sequence << CHM_LEASE_SEQ_SHIFT) | frame, sequence >= 1, so leases are
+ * > 0 and never repeat for a client; the frame is pinned until its MAP_ACK (or the client's detach). */
+#define CHM_LEASE_SEQ_SHIFT 32
+#define CHM_LEASE_FRAME_MASK 0xffffffffu
 
 /* Server limits a client's attach request is checked against. */
 #define CHM_MIN_ENTRIES 2
@@ -175,6 +186,27 @@ struct chm_attach_resp {
     uint32_t client_id;
     uint64_t qp_bytes;              /* size of the queue pair memfd */
 };
+/* The map request (chm_mmap): sent on a queue pair's control connection after its attach, with the
+ * client's userfaultfd (SCM_RIGHTS, exactly one fd). From then on that queue pair may send MAP_FAULT and
+ * MAP_ACK for pages of [dev_addr, dev_addr + len). The device keeps the userfaultfd only to write-protect
+ * the client's writable pages of a frame before it snapshots the frame (flush, write-back of a victim). */
+#define CHM_CTL_MAP 1
+struct chm_map_req {
+    uint32_t magic;                 /* CHM_WIRE_MAGIC */
+    uint32_t op;                    /* CHM_CTL_MAP */
+    uint64_t dev_addr;              /* first device byte mapped: multiple of page_size, < capacity */
+    uint64_t len;                   /* bytes: multiple of page_size, in (0, capacity - dev_addr] */
+    uint64_t base;                  /* the client's address of dev_addr: multiple of page_size, != 0, and
+                                       base + len <= CHM_MAP_USER_END */
+    uint64_t rsvd0;                 /* must be 0 */
+};
+#define CHM_MAP_USER_END 0x800000000000ull   /* end of x86-64's user half: 2^47 */
+
+struct chm_map_resp {
+    int32_t  status;                /* 0, or -errno (then no fd follows) */
+    uint32_t frames;                /* device DRAM frames */
+    uint64_t page_size;
+};                                  /* + SCM_RIGHTS: the device DRAM memfd (frame f at f * page_size) */
 /* ---- cdef end ---- */
 
 #endif /* CHM_WIRE_H */

@@ -110,6 +110,13 @@ uint64_t *chm_ft_page_of(struct chm_ft *ft);   /* its page, or CHM_NO_PAGE */
 uint8_t  *chm_ft_dirty(struct chm_ft *ft);
 uint32_t *chm_ft_pins(struct chm_ft *ft);
 uint32_t chm_ft_resident(const struct chm_ft *ft);
+/* chm_mmap's tracking (chm_core_internal.h, struct chm_ft): mapped[] by frame, set by the server at a lease;
+ * a page leaving a mapped frame clears it and appends the frame to dropped[] (chm_ft_dropped: the frames and
+ * *n their count; chm_ft_clear_dropped empties it). 0, or CHM_E_NOMEM. */
+int chm_ft_track_mapped(struct chm_ft *ft);
+uint8_t *chm_ft_mapped(struct chm_ft *ft);
+uint32_t *chm_ft_dropped(struct chm_ft *ft, uint32_t *n);
+void chm_ft_clear_dropped(struct chm_ft *ft);
 int64_t  chm_ft_free_ways(const struct chm_ft *ft, uint32_t set);
 int64_t  chm_ft_pinned_ways(const struct chm_ft *ft, uint32_t set);  /* frames with a pin count */
 

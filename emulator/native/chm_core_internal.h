@@ -107,6 +107,12 @@ struct chm_ft {
     int32_t *save_older, *save_newer;
     uint32_t *save_freq;
     uint8_t *save_queue_of;
+    /* chm_mmap (chm_ft_track_mapped): mapped[f] = a client may hold a mapping of frame f; drop_page of such a
+     * frame clears it and records f in dropped[] (at most once each, so frames long), which the server drains
+     * to punch the frame out of every client's page tables before it holds another page. NULL: untracked. */
+    uint8_t *mapped;
+    uint32_t *dropped;
+    uint32_t dropped_n;
 };
 
 #define SATURATING_INC(x) ((x) += (x) != UINT32_MAX)

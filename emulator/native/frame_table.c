@@ -109,11 +109,33 @@ void chm_ft_free(struct chm_ft *ft)
     free(ft->queue_of);
     free(ft->free_bits);
     free(ft->set);
+    free(ft->mapped);
+    free(ft->dropped);
     map_destroy(&ft->index);
     if (ft->ops && ft->ops->destroy)
         ft->ops->destroy(ft);
     free(ft);
 }
+
+int chm_ft_track_mapped(struct chm_ft *ft)
+{
+    if (ft->mapped)
+        return CHM_OK;
+    ft->mapped = calloc(ft->frames, 1);
+    ft->dropped = calloc(ft->frames, sizeof *ft->dropped);
+    if (!ft->mapped || !ft->dropped) {
+        free(ft->mapped);
+        free(ft->dropped);
+        ft->mapped = NULL;
+        ft->dropped = NULL;
+        return CHM_E_NOMEM;
+    }
+    return CHM_OK;
+}
+
+uint8_t *chm_ft_mapped(struct chm_ft *ft) { return ft->mapped; }
+uint32_t *chm_ft_dropped(struct chm_ft *ft, uint32_t *n) { *n = ft->dropped_n; return ft->dropped; }
+void chm_ft_clear_dropped(struct chm_ft *ft) { ft->dropped_n = 0; }
 
 uint64_t *chm_ft_page_of(struct chm_ft *ft) { return ft->page_of; }
 uint8_t *chm_ft_dirty(struct chm_ft *ft) { return ft->dirty; }
@@ -155,6 +177,10 @@ int chm_ft_touch(struct chm_ft *ft, uint32_t frame)
 /* The frame's page leaves (evicted or invalidated): out of the index, the frame free. */
 static void drop_page(struct chm_ft *ft, int32_t f)
 {
+    if (ft->mapped && ft->mapped[f]) {  /* a client may map it: the server must punch it (chm_ft_dropped) */
+        ft->mapped[f] = 0;
+        ft->dropped[ft->dropped_n++] = (uint32_t)f;
+    }
     map_del(&ft->index, ft->page_of[f]);
     ft->page_of[f] = CHM_NO_PAGE;
     ft->dirty[f] = 0;

@@ -1,6 +1,15 @@
 /* The device side of the queue pairs: see chm_srv.h and chm_wire.h. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/userfaultfd.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
 
 #include "chm_srv.h"
 #include "chm_sync.h"
@@ -140,7 +149,10 @@ int chm_srv_check(const struct chm_sqe *e, uint64_t capacity, uint64_t staging_b
     const uint8_t op = e->opcode;
     if (op == 0 || op > CHM_OP_MAX)
         BAD(CHM_SQE_OPCODE, EINVAL);
-    if (e->flags & ~(op == CHM_OP_WAIT ? CHM_WAIT_LOOK : 0))
+    const uint8_t flags_allowed = op == CHM_OP_WAIT ? CHM_WAIT_LOOK
+                                : op == CHM_OP_MAP_FAULT ? CHM_FAULT_WRITE
+                                : op == CHM_OP_MAP_ACK ? CHM_ACK_FAILED : 0;
+    if (e->flags & ~flags_allowed)
         BAD(CHM_SQE_FLAGS, EINVAL);
     if (e->rsvd0)
         BAD(CHM_SQE_RSVD0, EINVAL);
@@ -171,6 +183,21 @@ int chm_srv_check(const struct chm_sqe *e, uint64_t capacity, uint64_t staging_b
     case CHM_OP_RELEASE:                    /* handles are >= 1; whose it is is the server's to say */
         if (e->handle < 1)
             BAD(CHM_SQE_HANDLE, EINVAL);
+        break;
+    case CHM_OP_MAP_FAULT:                  /* page alignment and the mapping's range are server.py's */
+    case CHM_OP_MAP_ACK:
+        if (e->addr >= capacity)
+            BAD(CHM_SQE_ADDR, ERANGE);
+        if (op == CHM_OP_MAP_FAULT && e->len == 0)
+            BAD(CHM_SQE_LEN, EINVAL);
+        if (op == CHM_OP_MAP_ACK && e->len)
+            BAD(CHM_SQE_LEN, EINVAL);
+        if (e->buf_offset)
+            BAD(CHM_SQE_BUF_OFFSET, EINVAL);
+        if (op == CHM_OP_MAP_FAULT ? e->handle != 0 : e->handle < 1)
+            BAD(CHM_SQE_HANDLE, EINVAL);
+        if (e->timeout_ns)
+            BAD(CHM_SQE_TIMEOUT_NS, EINVAL);
         break;
     default:                                /* NOP, FLUSH, STATS: no other field is read */
         break;
@@ -289,4 +316,26 @@ int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns)
         }
         end_turn(l);
     }
+}
+
+int chm_srv_punch(int fd, uint64_t offset, uint64_t len)
+{
+    return fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset, (off_t)len) ? -errno : 0;
+}
+
+int chm_srv_writeprotect(int uffd, uint64_t start, uint64_t len)
+{
+    struct uffdio_writeprotect wp = { .range = { .start = start, .len = len }, .mode = UFFDIO_WRITEPROTECT_MODE_WP };
+    return ioctl(uffd, UFFDIO_WRITEPROTECT, &wp) ? -errno : 0;
+}
+
+int chm_srv_is_userfaultfd(int fd)
+{
+    char path[64], link[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    if (n < 0)
+        return 0;
+    link[n] = 0;
+    return strcmp(link, "anon_inode:[userfaultfd]") == 0;
 }

@@ -78,7 +78,8 @@ struct chm_srv_loop {
 /* Check every field of a command against chm_wire.h (struct chm_sqe), in the wire's own widths (no sum can
  * wrap): 0 if it may run, else -EINVAL (opcode, flags, a reserved field, len 0, handle < 1), -ERANGE (addr,
  * or addr + len, beyond capacity) or -EFAULT (len or buf_offset: the range is outside staging_bytes), with
- * *field set to the offending field's CHM_SQE_* index. The one check of both serving paths (the C loop and
+ * *field set to the offending field's CHM_SQE_* index. MAP_FAULT and MAP_ACK: flags as chm_wire.h says,
+ * addr < capacity, FAULT len >= 1 and handle 0, ACK len 0 and handle >= 1, buf_offset and timeout_ns 0. The one check of both serving paths (the C loop and
  * server.py). What needs the device's state (whose handle, window room) is server.py's. */
 int chm_srv_check(const struct chm_sqe *e, uint64_t capacity, uint64_t staging_bytes, uint32_t *field);
 
@@ -108,6 +109,15 @@ int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns);
  * A command is served here only if it is a read that passes chm_srv_check, at most chunk_bytes, starting
  * before quiet_until, that read_hit serves whole; everything else, bad entries included, is Python's. A parked client's turns are skipped. */
 int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns);
+
+/* chm_mmap's two actions on other processes' mappings (emulator/serve/mapping.py), 0 or -errno:
+ * punch: free [offset, offset+len) of the DRAM memfd, which unmaps those pages from every process at once
+ * (fallocate PUNCH_HOLE); writeprotect: UFFDIO_WRITEPROTECT [start, start+len) through a client's
+ * userfaultfd, so its next write to those pages faults again (the device snapshots them meanwhile). */
+int chm_srv_punch(int fd, uint64_t offset, uint64_t len);
+int chm_srv_writeprotect(int uffd, uint64_t start, uint64_t len);
+/* 1 if fd is a userfaultfd (its /proc/self/fdinfo says so), else 0. */
+int chm_srv_is_userfaultfd(int fd);
 
 /* Set the node's sleep flag with a full fence (see chm_wire.h, wake-ups). */
 void chm_srv_set_sleeping(struct chm_node *node, uint32_t sleeping);

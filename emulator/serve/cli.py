@@ -14,7 +14,8 @@ from emulator.controller import DRAIN_TIMEOUT_S
 from emulator.errors import ChmError
 
 from driver.wire import DEFAULT_NODE, NodeError
-from .limits import DEFAULT_MAX_BAD_ENTRIES, MAX_BAD_ENTRIES_LIMIT
+from .limits import (DEFAULT_MAP_LEASE_MS, DEFAULT_MAP_MAX_EXPIRED, DEFAULT_MAX_BAD_ENTRIES, MAP_LEASE_MS_RANGE,
+                     MAP_MAX_EXPIRED_RANGE, MAX_BAD_ENTRIES_LIMIT)
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -41,6 +42,18 @@ def _bad_entries(text: str) -> int:
     if not 0 <= value <= MAX_BAD_ENTRIES_LIMIT:
         raise argparse.ArgumentTypeError(f"{value} must be in [0, {MAX_BAD_ENTRIES_LIMIT}] (0: never detach)")
     return value
+
+
+def _whole_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} must be in [{lo}, {hi}]")
+        return value
+    return parse
 
 
 MAX_DRAIN_TIMEOUT_S = 86_400  # a day: beyond this a typo is likelier than intent
@@ -74,6 +87,14 @@ def register(sub) -> None:
     p.add_argument("--max-bad-entries", type=_bad_entries, default=DEFAULT_MAX_BAD_ENTRIES, metavar="N",
                    help=f"detach a client after N malformed submission entries (or corrupted ring tails); its next "
                         f"call gets ENODEV (default {DEFAULT_MAX_BAD_ENTRIES}; 0 never detaches)")
+    p.add_argument("--map-lease-ms", type=cli.float_in(*MAP_LEASE_MS_RANGE), default=DEFAULT_MAP_LEASE_MS,
+                   metavar="MS",
+                   help=f"chm_mmap: a client's lease of a frame not acknowledged within MS expires (default "
+                        f"{DEFAULT_MAP_LEASE_MS:g}, in [{MAP_LEASE_MS_RANGE[0]:g}, {MAP_LEASE_MS_RANGE[1]:g}])")
+    p.add_argument("--map-max-expired", type=_whole_in(*MAP_MAX_EXPIRED_RANGE), default=DEFAULT_MAP_MAX_EXPIRED,
+                   metavar="N",
+                   help=f"chm_mmap: cut a client off (its faults get EPERM, its access SIGBUS) once N of its leases "
+                        f"expired (default {DEFAULT_MAP_MAX_EXPIRED})")
     p.add_argument("--no-native-hits", dest="native_hits", action="store_false",
                    help="serve every command in Python, DRAM-hit reads too (the reference path; slower)")
     p.set_defaults(func=run)
@@ -98,7 +119,8 @@ def run(args) -> int:
         try:
             server = DeviceServer(cfg, media, node=args.node, pacing=args.pace, spin_us=args.spin_us,
                                   format_media=args.format_media, drain_timeout_s=args.drain_timeout,
-                                  native_hits=args.native_hits, max_bad_entries=args.max_bad_entries)
+                                  native_hits=args.native_hits, max_bad_entries=args.max_bad_entries,
+                                  map_lease_ms=args.map_lease_ms, map_max_expired=args.map_max_expired)
             install_signal_handlers(server)
         except NodeError as exc:
             raise ChmError(exc.errno, exc.strerror) from None

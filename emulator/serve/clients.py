@@ -54,6 +54,7 @@ class Client:
         self.bad_total = 0
         self.tails_counted = 0  # srv.bad_tails already in bad_entries
         self.closed = False  # detached: nothing of it may be touched any more
+        self.mapping = None  # its chm_mmap mapping (mapping.MapState), after a map request
 
     @property
     def job(self) -> Job | None:

@@ -17,11 +17,13 @@ import struct
 from emulator.errors import ChmError
 
 from .clients import Client
+from .mapping import MAP_REQ_SIZE
 from .rings import ATTACH_REQ_SIZE, MAX_BATCH, ffi, lib
 
 ATTACH_TIMEOUT_S = 2.0  # a half-sent attach request is dropped after this
 PAGE = 4096
 MAX_PENDING_ATTACHES = 64  # half-open connections held at once; more are closed at once
+MAX_FDS_PER_MESSAGE = 4  # fds taken from one control message (a map request carries 1; more are refused)
 LOG_INTERVAL_S = 10.0  # a repeating complaint (fd exhaustion, connection flood) is logged at most this often
 
 
@@ -29,6 +31,7 @@ class Connections:
     """The control path: connections, attaches and detaches (a DeviceServer mixin)."""
 
     def _control(self, events) -> None:
+        self._map_expire()  # looked at as often as the control path (CONTROL_POLL_S, and after every sleep)
         for fd, mask in events:
             if fd == self._media_fd:
                 continue  # a media completion: the serve loop collects it
@@ -46,14 +49,17 @@ class Connections:
                 if c is None:
                     continue
                 try:
-                    data = c.conn.recv(64)
+                    data, fds, _, _ = socket.recv_fds(c.conn, MAP_REQ_SIZE, MAX_FDS_PER_MESSAGE)
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError:
-                    data = b""
+                    data, fds = b"", []
                 if not data:  # EOF: the client closed or died
+                    for passed in fds:
+                        os.close(passed)
                     self._detach(c, "disconnected")
-                # Anything else on an attached connection has no meaning; it is ignored.
+                else:  # the only request on an attached connection: chm_mmap's
+                    self._map_request(c, data, fds)
 
     def _accept(self) -> None:
         while True:
@@ -281,6 +287,7 @@ class Connections:
                 self.log(f"releasing handle {handle} of client {c.id}: {exc}")
         c.handles.clear()
         c.pages_held = 0
+        self._map_detach(c)
         if c.parked is not None:
             self._unpark(c)
         self.held = [h for h in self.held if h[3] is not c]

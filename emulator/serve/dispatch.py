@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING
 
 from emulator.errors import ChmError
 
+from .mapping import MapFieldError
 from .parking import ParkedWait, _Park
 from .rings import OPCODE_NAMES, SQE_FIELDS, STATS_FIELDS, TAIL_FIELD, _u64, ffi, lib
+
+MAP_FAULT, MAP_ACK = lib.CHM_OP_MAP_FAULT, lib.CHM_OP_MAP_ACK
 
 if TYPE_CHECKING:
     from .clients import Client
@@ -48,15 +51,18 @@ class Dispatch:
         except _Park:
             self._park(c, ParkedWait(e.user_data, e.handle, e.timeout_ns, start))
             return
+        except MapFieldError as exc:  # a field only the device's state can judge: a bad entry all the same
+            self._bad_entry(c, e, exc.errno, exc.field, start, exc.message)
+            return
         except ChmError as exc:
             res, finish = self._failed(c, exc, start, e.timeout_ns if e.opcode == lib.CHM_OP_WAIT else -1)
         except Exception:  # a device bug must not take every client down
             res, finish = self._crashed(c, start)
         self._complete(c, e.user_data, start, res, finish)
 
-    def _bad_entry(self, c: Client, e, err: int, field: str, start: float) -> None:
+    def _bad_entry(self, c: Client, e, err: int, field: str, start: float, why: str | None = None) -> None:
         """Answer an entry chm_srv_check refused, log and count it; detach the client at max_bad_entries."""
-        why = self._bad_why(c, e, err, field)
+        why = why or self._bad_why(c, e, err, field)
         c.errors += 1
         c.last_error = f"bad entry: {why}"
         self._complete(c, e.user_data, start, -err, start)
@@ -71,9 +77,15 @@ class Dispatch:
             allowed = f"valid: 1..{lib.CHM_OP_MAX}"
         elif field == "flags":
             allowed = (f"WAIT allows 0 or CHM_WAIT_LOOK ({lib.CHM_WAIT_LOOK})" if op == lib.CHM_OP_WAIT
+                       else f"MAP_FAULT allows 0 or CHM_FAULT_WRITE ({lib.CHM_FAULT_WRITE})" if op == MAP_FAULT
+                       else f"MAP_ACK allows 0 or CHM_ACK_FAILED ({lib.CHM_ACK_FAILED})" if op == MAP_ACK
                        else f"{name} allows only 0")
         elif field.startswith("rsvd"):
             allowed = "reserved: must be 0"
+        elif op in (MAP_FAULT, MAP_ACK) and field != "addr":
+            allowed = {"len": "MAP_FAULT: at least 1 (exactly page_size); MAP_ACK: 0",
+                       "handle": "MAP_FAULT: 0; MAP_ACK: a lease, >= 1",
+                       }.get(field, f"{name} requires 0")
         elif field == "addr":
             allowed = f"outside the device [0, {cap})"
         elif field == "len" and err == errno.EINVAL:
@@ -182,11 +194,16 @@ class Dispatch:
             return 0, finish
         if op == lib.CHM_OP_FLUSH:
             return 0, ctl.flush(start)
+        if op == MAP_FAULT:
+            return self._map_fault(c, e, start)
+        if op == MAP_ACK:
+            return self._map_ack(c, e, start)
         if op == lib.CHM_OP_NOP:
             return 0, start
         if op == lib.CHM_OP_STATS:
             snap = ctl.snapshot()
             slot = c.stats_slot
+            snap.update(self.map_counts)
             for name in STATS_FIELDS:
                 setattr(slot, name, int(snap.get(name, 0)))
             slot.clients = len(self.clients)
@@ -194,6 +211,7 @@ class Dispatch:
             return 0, start
         if op == lib.CHM_OP_STATS_JSON:
             snap = ctl.snapshot()
+            snap.update(self.map_counts)
             snap.update(clock_ns=start, clients=len(self.clients), client_id=c.id, last_error=c.last_error,
                         parked_waits=len(self.parked), bad_entries=dict(c.bad_entries),
                         device_bad_entries=dict(self.bad_entries),

@@ -85,6 +85,9 @@ class ServeLoop:
                 waits_ns.append(held_back_s * 1e9)
         if self.pending:
             waits_ns.append(ATTACH_TIMEOUT_S * 1e9)
+        lease_deadline = self._map_next_deadline()
+        if lease_deadline is not None:
+            waits_ns.append((lease_deadline - self.clock.monotonic()) * 1e9)
         return max(0.0, min(waits_ns) / 1e6) if waits_ns else None
 
     def _serve_native(self) -> int:

@@ -72,11 +72,12 @@ from emulator.errors import ChmError
 from emulator.native import ffi as core_ffi
 
 from .clients import Client
-from .limits import DEFAULT_MAX_BAD_ENTRIES, MAX_BAD_ENTRIES_LIMIT
+from .limits import DEFAULT_MAP_LEASE_MS, DEFAULT_MAP_MAX_EXPIRED, DEFAULT_MAX_BAD_ENTRIES, MAX_BAD_ENTRIES_LIMIT
 from .clock import Clock, ManualClock, WallClock
 from .connections import ATTACH_TIMEOUT_S, LOG_INTERVAL_S, MAX_PENDING_ATTACHES, PAGE, Connections
 from .dispatch import Dispatch
 from .fairness import CHUNK_BYTES, MAX_PIECE_ALONE, FairTurns, Job
+from .mapping import Mapping
 from .loop import CONTROL_POLL_NS, CONTROL_POLL_S, ServeLoop, idle_wall_wait_ns
 from .node import NodeOwner
 from .parking import PARKED_POLL_NS, STAGED_SPIN_NS, ParkedWait, Parking
@@ -90,20 +91,23 @@ __all__ = ["ATTACH_REQ_SIZE", "ATTACH_TIMEOUT_S", "BULK_OPCODES", "CHUNK_BYTES",
            "WallClock", "ffi", "idle_wall_wait_ns", "install_signal_handlers", "lib"]
 
 
-class DeviceServer(ServeLoop, FairTurns, Dispatch, Parking, Connections):
+class DeviceServer(ServeLoop, FairTurns, Dispatch, Parking, Connections, Mapping):
     def __init__(self, cfg: Config, media_dir: str | os.PathLike | None, node: str = "chm0", pacing: bool = False,
                  spin_us: float = 50.0, log=None, format_media: bool = False,
                  drain_timeout_s: float = DRAIN_TIMEOUT_S, native_hits: bool = True,
-                 max_bad_entries: int = DEFAULT_MAX_BAD_ENTRIES, clock: Clock | None = None):
+                 max_bad_entries: int = DEFAULT_MAX_BAD_ENTRIES, clock: Clock | None = None,
+                 map_lease_ms: float = DEFAULT_MAP_LEASE_MS, map_max_expired: int = DEFAULT_MAP_MAX_EXPIRED):
         """``native_hits=False`` serves every command in Python (tests compare the two paths).
         ``max_bad_entries``: a client that submits this many bad entries is detached (0: never).
         ``clock``: the wall clock it reads and sleeps on (default the ``time`` module's, as this module
-        names it: a test that stands in for ``server.time`` still reaches the server)."""
+        names it: a test that stands in for ``server.time`` still reaches the server).
+        ``map_lease_ms``, ``map_max_expired``: chm_mmap's lease bound and cut-off (mapping.py)."""
         if (not isinstance(max_bad_entries, int) or isinstance(max_bad_entries, bool)
                 or not 0 <= max_bad_entries <= MAX_BAD_ENTRIES_LIMIT):
             raise ChmError(errno.EINVAL, f"max_bad_entries {max_bad_entries!r} is outside [0, {MAX_BAD_ENTRIES_LIMIT}] "
                                          f"(0: never detach)")
         self.max_bad_entries = max_bad_entries
+        self._map_init(map_lease_ms, map_max_expired)
         self.clock: Clock = WallClock(time) if clock is None else clock
         self._loop = ffi.new("struct chm_srv_loop *")  # the C loop's state; floor lives here
         self.cfg = cfg

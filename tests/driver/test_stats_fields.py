@@ -4,7 +4,7 @@ public struct, the emulator's counters and what a C program reads through chm_ge
 import subprocess
 
 from driver import wire
-from driver.wire import STATS_COUNTERS, STATS_GAUGES
+from driver.wire import STATS_COUNTERS, STATS_FIELDS
 from emulator import Device
 
 from tests.emulator.serve.serving import Server, compile_c
@@ -32,8 +32,8 @@ int main(int argc, char **argv)
 def test_wire_public_struct_and_emulator_counters_are_the_one_list():
     from libchm import _chm
 
-    fields = STATS_COUNTERS + STATS_GAUGES
-    assert len(fields) == len(set(fields)) and {"page_hits", "lost_pages", "clock_ns"} <= set(fields)
+    fields = STATS_FIELDS
+    assert len(fields) == len(set(fields)) and {"page_hits", "lost_pages", "clock_ns", "map_faults"} <= set(fields)
     assert tuple(name for name, _ in wire.ffi.typeof("struct chm_wire_stats").fields) == fields
     assert tuple(name for name, _ in _chm.ffi.typeof("struct chm_stats").fields) == fields
     with Device.open(profile="small") as dev:
@@ -48,6 +48,6 @@ def test_a_c_program_reads_every_field_through_chm_get_stats(tmp_path):
     with Server(tmp_path / "media") as srv:
         out = subprocess.run([str(exe), srv.node], capture_output=True, text=True, check=True).stdout
     got = dict(line.split() for line in out.splitlines())
-    assert tuple(got) == STATS_COUNTERS + STATS_GAUGES
+    assert tuple(got) == STATS_FIELDS
     assert int(got["writes"]) == 1 and int(got["reads"]) == 1 and int(got["write_bytes"]) == 4096
     assert int(got["clients"]) == 1 and int(got["clock_ns"]) > 0

@@ -24,6 +24,8 @@ MiB = 1 << 20
 READ, WRITE, PREFETCH, WAIT, RELEASE = (lib.CHM_OP_READ, lib.CHM_OP_WRITE, lib.CHM_OP_PREFETCH, lib.CHM_OP_WAIT,
                                         lib.CHM_OP_RELEASE)
 STATS_JSON = lib.CHM_OP_STATS_JSON
+MAP_FAULT, MAP_ACK = lib.CHM_OP_MAP_FAULT, lib.CHM_OP_MAP_ACK
+FLAGS_ALLOWED = {WAIT: lib.CHM_WAIT_LOOK, MAP_FAULT: lib.CHM_FAULT_WRITE, MAP_ACK: lib.CHM_ACK_FAILED}
 OPCODES = range(1, lib.CHM_OP_MAX + 1)
 STAGING = MiB  # the bad clients' staging buffer
 BAD_ADDR = 32 * MiB  # where the bad clients' valid reads and writes go
@@ -47,7 +49,7 @@ def wire_refusal(e: dict, cap: int, staging: int) -> tuple[str, int] | None:
     op = g("opcode", 0)
     if not 1 <= op <= lib.CHM_OP_MAX:
         return "opcode", errno.EINVAL
-    if g("flags", 0) & ~(lib.CHM_WAIT_LOOK if op == WAIT else 0):
+    if g("flags", 0) & ~FLAGS_ALLOWED.get(op, 0):
         return "flags", errno.EINVAL
     for name in ("rsvd0", "rsvd1", "rsvd2"):
         if g(name, 0):
@@ -67,6 +69,18 @@ def wire_refusal(e: dict, cap: int, staging: int) -> tuple[str, int] | None:
             return "buf_offset", errno.EFAULT
     if op in (WAIT, RELEASE) and g("handle", 0) < 1:
         return "handle", errno.EINVAL
+    if op in (MAP_FAULT, MAP_ACK):
+        if addr >= cap:
+            return "addr", errno.ERANGE
+        if (length == 0) if op == MAP_FAULT else (length != 0):
+            return "len", errno.EINVAL
+        if off:
+            return "buf_offset", errno.EINVAL
+        if (g("handle", 0) != 0) if op == MAP_FAULT else (g("handle", 0) < 1):
+            return "handle", errno.EINVAL
+        if g("timeout_ns", 0):
+            return "timeout_ns", errno.EINVAL
+        return "opcode", errno.EINVAL  # well formed, but this raw client sent no map request (chm_mmap)
     return None
 
 
@@ -115,6 +129,10 @@ def base_entry(op: int, handle: int = 0) -> dict:
         return dict(opcode=op, handle=handle)
     if op == STATS_JSON:
         return dict(opcode=op, len=65536, buf_offset=0)
+    if op == MAP_FAULT:
+        return dict(opcode=op, addr=BAD_ADDR, len=65536)
+    if op == MAP_ACK:
+        return dict(opcode=op, addr=BAD_ADDR, handle=1 << 32)
     return dict(opcode=op)
 
 
@@ -193,7 +211,7 @@ def test_opcode(device):
 def test_flags_and_reserved_fields(device, field):
     for op in OPCODES:  # every opcode reads them
         counted = probe(device, op, field, WIDTHS[field])
-        allowed = {0, lib.CHM_WAIT_LOOK} if field == "flags" and op == WAIT else {0}
+        allowed = {0, FLAGS_ALLOWED[op]} if field == "flags" and op in FLAGS_ALLOWED else {0}
         assert counted[field] == len(set(WIDTHS[field]) - allowed), op
 
 
