@@ -135,6 +135,7 @@ class Device:
         handle's queue pair; ``prefetch_share`` is its share of the device's prefetch window, in (0, 1]
         (None: the device's ``policy.prefetch_client_share``)."""
         self._dev = None
+        self._maps: dict[int, tuple[int, int]] = {}  # base address -> (device address, length) of each mmap()
         opts = _open_opts(staging_bytes, queue_entries, prefetch_share)
         self.node, path = None, ffi.NULL
         if node is not None:
@@ -369,10 +370,72 @@ class Device:
             "prefetch_limit_pages": self._prefetch_limit,  # the most pages one prefetch of this handle may span
         }
 
+    # ---- the device as memory (docs/mmap.md) -------------------------------------
+    def mmap(self, addr: int = 0, length: int | None = None, strict: bool = False) -> memoryview:
+        """Map ``length`` device bytes at ``addr`` (default: the whole capacity) into this process: a writable
+        memoryview whose loads and stores reach the device (numpy.frombuffer, torch.frombuffer wrap it with no
+        copy). ``strict``: CHM_MAP_STRICT (one page mapped at a time: every page visit is a device access).
+        EOPNOTSUPP names what the kernel or the device lacks. The view is withdrawn by ``munmap`` or ``close``:
+        an access after that is SIGBUS, never a stale byte; its addresses stay reserved for the process."""
+        addr = self._address(addr)
+        length = self._capacity - addr if length is None else self._length("length", length, addr)
+        page = self._page_size
+        for name, value in (("addr", addr), ("length", length)):
+            if value % page:
+                raise ChmError(errno.EINVAL, f"{name} {value} must be a multiple of the device's page_size {page}")
+        if not isinstance(strict, bool):
+            raise ChmError(errno.EINVAL, f"strict must be True or False, not {strict!r}")
+        out = ffi.new("void **")
+        ret = lib.chm_mmap_range(self.dev, addr, length, out, lib.CHM_MAP_STRICT if strict else 0)
+        if ret == -errno.EOPNOTSUPP:
+            why = lib.chm_mmap_unsupported()
+            why = ffi.string(why).decode() if why != ffi.NULL else \
+                f"the device cannot be mapped: policy {self.info()['policy']!r} keeps pages in two DRAM areas, " \
+                f"or it moves no bytes (emulation.data off)"
+            raise ChmError(errno.EOPNOTSUPP, f"mmap of {length} bytes at {addr}: {why}")
+        if ret < 0:
+            _raise(ret, f"mmap of {length} bytes at {addr}")
+        view = memoryview(ffi.buffer(ffi.cast("char *", out[0]), length))
+        self._maps[int(ffi.cast("uintptr_t", out[0]))] = (addr, length)
+        return view
+
+    def _map_base(self, view: memoryview) -> int:
+        base = int(ffi.cast("uintptr_t", ffi.from_buffer(view)))
+        if base not in self._maps:
+            raise ChmError(errno.EINVAL, "not a view returned by this device's mmap()")
+        return base
+
+    def munmap(self, view: memoryview) -> None:
+        """Withdraw a mapping from ``mmap``: every later access through any view of it is SIGBUS."""
+        base = self._map_base(view)
+        del self._maps[base]
+        ret = lib.chm_map_revoke(self.dev, ffi.cast("void *", base))
+        if ret < 0:
+            _raise(ret, "munmap")
+
+    def map_error(self, address: int) -> int:
+        """Why an access at ``address`` (an int, e.g. ``ctypes.addressof``, ``tensor.data_ptr()``) of a mapping
+        gets SIGBUS: a -errno, or 0."""
+        ret = lib.chm_map_error(self.dev, ffi.cast("void *", _integer("address", address)))
+        if ret == -errno.EFAULT:
+            raise ChmError(errno.EFAULT, f"address {address:#x} lies in no mapping of this device")
+        return ret
+
+    def prefetch_ptr(self, address: int, size: int) -> int:
+        """``prefetch`` of the device bytes that [address, address+size) of a mapping shows (``address`` an
+        int inside a view from ``mmap``); wait, poll and release its handle as for ``prefetch``."""
+        address, size = _integer("address", address), _integer("size", size)
+        return self._finish(lib.chm_prefetch_ptr(self.dev, ffi.cast("void *", address), size),
+                            f"prefetch of {size} bytes at mapped address {address:#x}", PREFETCH_EXPLAINS)
+
     def close(self) -> None:
-        """Detach from the device. Views from buffer() stay readable and writable, detached."""
+        """Detach from the device. Views from buffer() stay readable and writable, detached; views from
+        mmap() are withdrawn (SIGBUS on access)."""
         dev, self._dev = getattr(self, "_dev", None), None
         if dev is not None:
+            for base in getattr(self, "_maps", {}):
+                lib.chm_map_revoke(dev, ffi.cast("void *", base))
+            self._maps = {}
             self._staging = None  # our reference to the mapping; views keep theirs
             lib.chm_close(dev)
 

@@ -25,7 +25,8 @@
  *
  * Threads: a chm_dev is NOT thread-safe. Like an SPDK queue pair it belongs
  * to one thread at a time and takes no locks; open one chm_dev per thread
- * (each gets its own queue pair). The library starts no threads.
+ * (each gets its own queue pair). The library starts no threads but one per
+ * chm_mmap mapping (below).
  *
  * Time: every command's completion carries the modelled device latency;
  * chm_last_latency_ns() returns it for the last synchronous call.
@@ -176,6 +177,54 @@ int     chm_submit_write(chm_dev *dev, chm_addr addr, const void *buf, size_t le
 /* Take up to max completions, waiting until at least min_wait are there.
  * Returns the count, -EINVAL (min_wait > max or more than in flight), -ENODEV, -EBADF. */
 int     chm_reap(chm_dev *dev, struct chm_completion *out, unsigned max, unsigned min_wait);
+
+/* ---- the device as memory (docs/mmap.md) ------------------------------------
+ * chm_mmap maps the device's capacity (chm_mmap_range: [addr, addr+len), both
+ * multiples of page_size) into this process: *ptr gets its first byte, and
+ * plain loads and stores then reach the device. Nothing is backed at first. A
+ * page's first touch faults; a handler thread that libchm starts for the
+ * mapping (its only thread) asks the device for the page, exactly as a
+ * chm_read of it would (DRAM hit, or staged from the SSDs under the device's
+ * policy, timing and statistics), and maps the device's DRAM frame itself over
+ * it: no copy. A first write is admitted by the device as a one-page chm_write
+ * (dirty, flushed by its flusher) before the store completes; a write the
+ * device refuses is retried for $CHM_MAP_WRITE_TIMEOUT_MS (default 10000).
+ * When the device reuses a frame, its mapping in every process is withdrawn
+ * first, and the next access faults again: never a stale or another page.
+ * Statistics count each page's first touch per residency (and first writes);
+ * CHM_MAP_STRICT keeps one page mapped at a time, so every visit to another
+ * page reaches the device and a scan counts as a chm_read scan of the pages.
+ * An access that cannot be served gets SIGBUS (si_code BUS_ADRERR, si_addr the
+ * address): the device died or stopped answering for $CHM_MAP_FAULT_TIMEOUT_MS
+ * (default 10000; the whole mapping, within ~5 ms of a kill -9), this process
+ * was cut off for leaving leases unacknowledged (-EPERM, the whole mapping),
+ * a media error (-EIO) or a write refused past the timeout (-EAGAIN), that
+ * page only; chm_map_error says which. Syscalls reading the mapping work
+ * (the handler thread serves kernel faults too). The mapping is not inherited
+ * by fork(); a child touching it gets SIGSEGV.
+ * Returns 0, -EOPNOTSUPP (the kernel lacks a userfaultfd feature this needs,
+ * or the device keeps pages in two DRAM areas (hymcache) or moves no bytes;
+ * chm_mmap_unsupported says why), -EINVAL (flags, alignment, len 0), -ERANGE,
+ * -ENOMEM, -ENODEV, -EBADF. chm_close unmaps the handle's mappings. */
+#define CHM_MAP_STRICT 1
+int     chm_mmap(chm_dev *dev, void **ptr, unsigned flags);
+int     chm_mmap_range(chm_dev *dev, chm_addr addr, size_t len, void **ptr, unsigned flags);
+/* Unmap a mapping (ptr as chm_mmap gave it). 0, -EINVAL (not a mapping of dev), -EBADF. */
+int     chm_munmap(chm_dev *dev, void *ptr);
+/* Withdraw a mapping without unmapping its addresses: every later access gets
+ * SIGBUS BUS_ADRERR (for bindings whose views may outlive it); they stay
+ * reserved for the life of the process. 0, -EINVAL, -EBADF. */
+int     chm_map_revoke(chm_dev *dev, void *ptr);
+/* Why an access at ptr gets SIGBUS (a -errno), or 0; -EFAULT if ptr is in no mapping of dev. */
+int     chm_map_error(chm_dev *dev, const void *ptr);
+/* Fault [ptr, ptr+size) in now (read). 0, chm_map_error's -errno, -EFAULT, -ERANGE, -EINVAL. */
+int     chm_map_populate(chm_dev *dev, const void *ptr, size_t size);
+/* chm_prefetch_object of the device bytes that [ptr, ptr+size) of a mapping
+ * shows; wait and release on the handle as for it. -EFAULT: ptr is in no
+ * mapping of dev; -ERANGE: the range leaves it; else chm_prefetch_object's. */
+chm_req chm_prefetch_ptr(chm_dev *dev, const void *ptr, size_t size);
+/* NULL if chm_mmap can work on this kernel, else what it lacks (for messages and test skips). */
+const char *chm_mmap_unsupported(void);
 
 /* ---- FFI support ------------------------------------------------------------
  * For language bindings (cffi, ctypes) whose views of chm_buffer() can outlive

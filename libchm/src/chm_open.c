@@ -237,6 +237,7 @@ int chm_open_opts(const char *path, const struct chm_open_opts *opts, chm_dev **
     d->magic = DEV_OPEN_MAGIC;
     d->sock = d->evfd = -1;
     d->spin_ns = spin_us * 1000;
+    snprintf(d->node_path, sizeof d->node_path, "%s", node_path);
     int qp_fd = -1;
     uint64_t qp_bytes = 0;
     if ((ret = map_node(node_path, &d->node)) < 0)
@@ -266,6 +267,7 @@ void chm_close(chm_dev *d)
 {
     if (!d || !dev_is_open(d))
         return;          /* NULL, or closed already (best effort: see chm.h) */
+    maps_close(d);
     d->magic = DEV_CLOSED_MAGIC;
     mapping_put(d->qp);  /* unmapped now unless an FFI user holds a reference */
     if (d->node)

@@ -2,7 +2,8 @@
  *
  *   chm_open.c - opening and closing a handle (attach handshake, queue pair mapping);
  *   chm_ring.c - the submission and completion rings, one synchronous command;
- *   chm.c      - the API of chm.h on top of them.
+ *   chm.c      - the API of chm.h on top of them;
+ *   chm_mmap.c - the device as memory (chm_mmap), each mapping served by a handler thread of its own.
  *
  * Nothing here is exported: libchm.map makes every symbol but chm_* local, so the shared
  * helpers are named without the chm_ prefix. */
@@ -47,6 +48,8 @@ struct chm_dev {
     uint64_t seq;
     uint64_t last_latency_ns;
     int dead;
+    struct chm_map *maps;          /* this handle's chm_mmap mappings (chm_mmap.c) */
+    char node_path[4096];          /* the node it opened: a mapping opens its own queue pair there */
     /* Last, far from the first 16 bytes, which free() overwrites with its list links:
      * so a closed handle still reads DEV_CLOSED_MAGIC until the memory is reused. */
     uint64_t magic;
@@ -75,5 +78,8 @@ int cq_take(chm_dev *d, struct chm_cqe *out, int wait);
 int64_t run_cmd(chm_dev *d, struct chm_sqe *e);
 int in_staging(const chm_dev *d, const void *buf, size_t len, uint64_t *offset);
 int check_range(const chm_dev *d, chm_addr addr, size_t len);
+
+/* chm_mmap.c */
+void maps_close(chm_dev *d);   /* chm_close: unmap every mapping of the handle */
 
 #endif

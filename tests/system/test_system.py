@@ -3,6 +3,8 @@ clients at once (C and Python) against a live `chm serve`, and durability
 across a killed or stopped server."""
 
 import os
+
+import pytest
 import re
 import signal
 import subprocess
@@ -43,6 +45,27 @@ def test_hello_chm_builds_with_pkg_config_and_runs(tmp_path):
     # The same program against no device fails cleanly.
     run = subprocess.run([str(exe), "chm-no-such-node"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "no device" in run.stderr
+
+
+def test_mmap_chm_builds_with_pkg_config_maps_writes_remaps_and_verifies(tmp_path):
+    from tests.libchm.test_mmap import _unsupported
+    if _unsupported():
+        pytest.skip(f"chm_mmap unsupported here: {_unsupported()}")
+    prefix = tmp_path / "prefix"
+    subprocess.run(["make", "-s", "-C", str(LIBCHM), "install", f"PREFIX={prefix}"], check=True)
+    env = dict(os.environ, PKG_CONFIG_PATH=str(prefix / "lib" / "pkgconfig"))
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "libchm"], env=env, check=True,
+                           capture_output=True, text=True).stdout.split()
+    exe = tmp_path / "mmap_chm"
+    subprocess.run(["cc", "-Wall", "-Werror", str(ROOT / "examples" / "mmap_chm.c"), *flags, "-o", str(exe)],
+                   check=True, env=env)
+    with Server(tmp_path / "media", None, "--policy", "lru") as srv:
+        run = subprocess.run([str(exe), srv.node, "4"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "wrote 4194304 bytes through the mapping" in run.stdout
+    assert ": 0 of 524288 words wrong" in run.stdout and "chm_read of the last 4096 bytes: match" in run.stdout
+    stats = dict(re.findall(r"(\w+)=(\d+)", run.stdout.splitlines()[-1]))
+    assert int(stats["map_write_faults"]) == 64 and int(stats["map_faults"]) >= 128  # 64 pages, twice
 
 
 SHARED, SHARED_SIZE = 1 << 30, 256 << 10

@@ -1,0 +1,126 @@
+"""chm_mmap with several client processes and with processes that die or stop (issue 26): two clients see
+each other's writes, a client killed while holding mappings leaves the device serving others, a client that
+stops answering is cut off, and a killed device withdraws every mapping (SIGBUS, never a stale byte)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import libchm
+from tests.emulator.serve.serving import ROOT, Server
+from tests.libchm.test_mmap import PAGE, SMALL_DRAM, _unsupported
+
+pytestmark = pytest.mark.skipif(_unsupported() is not None, reason=f"chm_mmap unsupported here: {_unsupported()}")
+LENGTH = 1024 * PAGE
+
+
+class Child:
+    """tests/libchm/mmap_child.py in a process of its own, mapping [0, LENGTH) of the device."""
+
+    def __init__(self, node: str, **env: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.libchm.mmap_child", node, str(LENGTH)], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **env})
+        assert self.proc.stdout.readline() == "ready\n", self.proc.stderr.read()
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def send(self, line: str) -> None:
+        """A command whose answer is not awaited (the child stops or dies in it)."""
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            f.close()
+
+
+@pytest.fixture
+def device(tmp_path):
+    with Server(tmp_path, None, "--format", *SMALL_DRAM, "--map-lease-ms", "50", "--map-max-expired", "1") as srv:
+        yield srv
+
+
+def test_two_clients_see_each_others_writes(device):
+    a, b = Child(device.node), Child(device.node)
+    try:
+        assert a.ask(f"write {5 * PAGE + 3} 0102030405") == "ok"
+        assert a.ask("flush") == "ok"
+        assert b.ask(f"read {5 * PAGE + 3} 5") == "0102030405"
+        assert b.ask(f"write {9 * PAGE} aabb") == "ok"
+        assert a.ask(f"read {9 * PAGE} 2") == "aabb"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_client_killed_holding_mappings_leaves_the_device_serving(device):
+    victim = Child(device.node)
+    try:
+        for i in range(0, 64):  # leases taken and acked, pages mapped (some writable: dirty frames it holds)
+            assert victim.ask(f"write {i * PAGE} {i:02x}") == "ok"
+        victim.proc.kill()
+        victim.proc.wait()
+    finally:
+        victim.close()
+    with libchm.Device(device.path) as dev:  # every page, more than DRAM holds: no frame stayed pinned
+        view = dev.mmap(0, LENGTH)
+        assert [view[i * PAGE] for i in range(64)] == list(range(64))
+        assert all(view[i * PAGE] == 0 for i in range(64, 1024))
+        assert dev.read(7 * PAGE, 1) == b"\x07"
+
+
+def test_a_stalled_client_is_cut_off_and_others_are_served(device):
+    stalled = Child(device.node, CHM_MAP_TEST_STALL_AT="3")
+    try:
+        assert stalled.ask(f"touch {0}") == "0" and stalled.ask(f"touch {PAGE}") == "0"
+        stalled.send(f"touch {2 * PAGE}")  # its third lease: the process stops before it acks
+        with libchm.Device(device.path) as dev:
+            view = dev.mmap(0, LENGTH)
+            deadline_passes = 0
+            while dev.stats()["map_clients_cut_off"] == 0:  # the device's lease timer, not ours, decides
+                deadline_passes += 1
+                assert deadline_passes < 100_000, "the stalled client was never cut off"
+            stats = dev.stats()
+            assert stats["map_leases_expired"] >= 1
+            assert [view[i * PAGE] for i in range(0, 1024, 3)] == [0] * 342  # others are served meanwhile
+            os.kill(stalled.proc.pid, signal.SIGCONT)
+            assert stalled.proc.stdout.readline().strip() == "0"  # its late install: still the page it asked for
+            assert stalled.ask(f"syscall-read {3 * PAGE}") == f"errno {errno.EFAULT}"  # its next fault: refused
+            assert stalled.ask(f"error {3 * PAGE}") == str(-errno.EPERM)
+            stalled.send(f"touch {4 * PAGE}")
+            assert stalled.proc.wait() == -signal.SIGBUS
+    finally:
+        stalled.close()
+
+
+def test_device_killed_withdraws_mappings(tmp_path):
+    with Server(tmp_path, None, "--format", *SMALL_DRAM) as srv:
+        _kill_device_under(srv)
+
+
+def _kill_device_under(srv: Server) -> None:
+    child = Child(srv.node)
+    try:
+        assert child.ask(f"write {PAGE} 2a") == "ok" and child.ask(f"read {PAGE} 1") == "2a"
+        child.send("wait-device-death")
+        srv.kill()
+        err, ms = child.proc.stdout.readline().split()
+        assert int(err) == -errno.ENODEV  # withdrawn: the measured delay `ms` is bench_libchm's figure
+        assert child.ask(f"syscall-read {PAGE}") == f"errno {errno.EFAULT}"
+        child.send(f"touch {PAGE}")  # the page it had mapped: SIGBUS, never the frozen byte
+        assert child.proc.wait() == -signal.SIGBUS
+    finally:
+        child.close()
