@@ -7,10 +7,17 @@
     path, next to single-thread memcpy of the same size (the three taking
     turns; medians of the repetitions), with 64 KiB and with 2 MiB pages,
     the two devices' runs interleaved (shares: medians of 5 runs);
-(c) CPU used by an idle ``chm serve``.
+(c) CPU used by an idle ``chm serve``;
+(d) chm_mmap (issue 26, bench_map.c): 4 KiB first-touch reads through a fresh
+    mapping against chm_read of the same 4 KiB, sequential and random, on DRAM
+    hits and on misses (every contender in turn in each round, same pages),
+    memcpy out of resident mapped pages against memcpy of private memory, and
+    the time from a device's kill -9 to its client's mapping being withdrawn.
 
 Goals (issue 11, the native hit path): p50 <= 5x the floor; zero-copy >= 90 %
-of memcpy, copy >= 80 %, with either page size.
+of memcpy, copy >= 80 %, with either page size. Issue 26: first-touch p50 <=
+2x chm_read's in each case; resident reads >= 0.9x memcpy; withdrawal within
+about 100 ms.
 
 Results: ``bench/results/bench_libchm.json`` and ``.md``.
 
@@ -39,6 +46,14 @@ CHM = Path(sys.executable).parent / "chm"
 LATENCY_GOAL_X_FLOOR = 5.0  # 4 KiB DRAM-hit p50 over the ring floor's
 ZERO_COPY_GOAL = 0.90  # of memcpy
 COPY_GOAL = 0.80
+FIRST_TOUCH_GOAL_X_READ = 2.0  # first-touch p50 through the mapping over chm_read's
+RESIDENT_GOAL = 0.90  # of memcpy
+WITHDRAW_GOAL_MS = 100.0
+# The mapping cases' device: lru (chm_mmap needs a one-area policy), 512 frames of 64 KiB, so 256 pages fit and
+# a read of 512 others evicts them.
+MAP_DEVICE = ("--policy", "lru", "--set", "dram.size_bytes=33554432", "--set", "policy.prefetch_window_bytes=4194304")
+MAP_PAGES = 256
+MAP_CASES = ("hit_seq", "hit_rand", "miss_seq", "miss_rand")
 
 
 def _goal(met: bool) -> str:
@@ -78,6 +93,74 @@ def _median_run(results: list[dict]) -> dict:
     return out
 
 
+def _map_cases(work: Path, node: str, exe: Path, rounds: int, deaths: int) -> dict:
+    """(d): first touches against chm_read, resident reads against memcpy, and the withdrawal after a kill."""
+    serve = _Serve(work / "media-map", node + "-map", *MAP_DEVICE)
+    try:
+        lines = {r["what"]: r for r in _run_json([str(exe), "touch", node + "-map", str(MAP_PAGES), str(rounds)])}
+        resident = _run_json([str(exe), "resident", node + "-map", str(16 << 20), "20"])[0]
+    finally:
+        serve.stop()
+    withdrawn = []
+    for i in range(deaths):  # a device of its own each time, killed under a client holding a mapping
+        victim = _Serve(work / f"media-death{i}", f"{node}-death{i}", *MAP_DEVICE)
+        client = subprocess.Popen([str(exe), "death", f"{node}-death{i}"], stdout=subprocess.PIPE, text=True)
+        try:
+            if client.stdout.readline().strip() != "ready":
+                raise RuntimeError("bench_map death did not get ready")
+            victim.proc.kill()
+            victim.proc.wait()
+            result = json.loads(client.stdout.readline())
+            withdrawn.append(result["withdrawn_after_ns"] / 1e6)
+        finally:
+            client.wait(timeout=60)
+            for leftover in Path("/dev/shm").glob(f"{node}-death{i}*"):
+                leftover.unlink()
+    cases = {case: {"read": lines[case + "_read"], "map": lines[case + "_map"],
+                    "x_read": lines[case + "_map"]["p50_ns"] / max(1, lines[case + "_read"]["p50_ns"])}
+             for case in MAP_CASES}
+    return {"first_touch": cases, "stats": lines["stats"], "resident": resident,
+            "resident_share": resident["mapped_gbps"] / resident["memcpy_gbps"],
+            "withdrawn_ms": withdrawn, "withdrawn_ms_median": statistics.median(withdrawn) if withdrawn else None}
+
+
+def _print_map(mapped: dict, rounds: int) -> None:
+    print(f"(d) chm_mmap, 4 KiB first touches of {MAP_PAGES} pages x {rounds} rounds, each contender in turn "
+          f"(goal: p50 <= {FIRST_TOUCH_GOAL_X_READ:g}x chm_read's)      p50          p99")
+    for case, r in mapped["first_touch"].items():
+        for who in ("read", "map"):
+            label = f"{case.replace('_', ' ')}: " + ("chm_read" if who == "read" else "first touch via chm_mmap")
+            print(f"    {label:<46} {r[who]['p50_ns'] / 1000:8.2f} us  {r[who]['p99_ns'] / 1000:8.2f} us")
+        print(f"      p50 {r['x_read']:.2f}x chm_read's ({_goal(r['x_read'] <= FIRST_TOUCH_GOAL_X_READ)})")
+    res = mapped["resident"]
+    print(f"    resident mapped pages, 16 MiB memcpy: {res['mapped_gbps']:.2f} GB/s, private memory "
+          f"{res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%}; "
+          f"{_goal(mapped['resident_share'] >= RESIDENT_GOAL)}: >= {RESIDENT_GOAL:.0%})")
+    ms = mapped["withdrawn_ms_median"]
+    if ms is not None:
+        print(f"    kill -9 of the device -> mapping withdrawn (SIGBUS): median {ms:.2f} ms of "
+              f"{len(mapped['withdrawn_ms'])} ({_goal(ms <= WITHDRAW_GOAL_MS)}: about {WITHDRAW_GOAL_MS:g} ms)")
+
+
+def _map_rows(mapped: dict) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for case, r in mapped["first_touch"].items():
+        rows.append((f"4 KiB first touch via chm_mmap, {case.replace('_', ' ')}, p50 / p99",
+                     f"{r['map']['p50_ns'] / 1000:.2f} / {r['map']['p99_ns'] / 1000:.2f} µs",
+                     f"chm_read of the same 4 KiB: {r['read']['p50_ns'] / 1000:.2f} / "
+                     f"{r['read']['p99_ns'] / 1000:.2f} µs (p50 {r['x_read']:.2f}x)",
+                     f"p50 ≤ {FIRST_TOUCH_GOAL_X_READ:g}x chm_read"))
+    res = mapped["resident"]
+    rows.append(("16 MiB memcpy out of resident mapped pages", f"{res['mapped_gbps']:.2f} GB/s",
+                 f"memcpy of private memory {res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%})",
+                 f"≥ {RESIDENT_GOAL:.0%}"))
+    if mapped["withdrawn_ms_median"] is not None:
+        rows.append(("device kill -9 → client's mapping withdrawn (SIGBUS)",
+                     f"{mapped['withdrawn_ms_median']:.2f} ms (median of {len(mapped['withdrawn_ms'])})", "",
+                     f"≈ {WITHDRAW_GOAL_MS:g} ms"))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_libchm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=2000, help="latency samples per round (default 2000)")
@@ -86,6 +169,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=20, help="throughput repetitions per run (default 20)")
     parser.add_argument("--runs", type=int, default=5,
                         help="throughput runs, the two page sizes in turn; medians of the runs (default 5)")
+    parser.add_argument("--map-rounds", type=int, default=5, help="chm_mmap first-touch rounds (default 5)")
+    parser.add_argument("--deaths", type=int, default=3, help="device kills timed for the withdrawal (default 3)")
     args = parser.parse_args(argv)
     if args.iters < 100 or args.rounds < 1 or args.size < 4096 or args.size > (32 << 20) or args.reps < 1 \
             or args.runs < 1:
@@ -95,8 +180,10 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="chm-bench-", dir="/var/tmp"))
     try:
         exe = work / "bench_libchm"
-        subprocess.run(["cc", "-O2", "-Wall", str(HERE / "bench_libchm.c"), "-o", str(exe), f"-I{LIBCHM / 'include'}",
-                        f"-L{LIBCHM / 'build'}", f"-Wl,-rpath,{LIBCHM / 'build'}", "-lchm"], check=True)
+        map_exe = work / "bench_map"
+        for source, out in (("bench_libchm.c", exe), ("bench_map.c", map_exe)):
+            subprocess.run(["cc", "-O2", "-Wall", str(HERE / source), "-o", str(out), f"-I{LIBCHM / 'include'}",
+                            f"-L{LIBCHM / 'build'}", f"-Wl,-rpath,{LIBCHM / 'build'}", "-lchm"], check=True)
         # lru: reads of written data hit DRAM; the profile is the CI one (64 KiB pages). The same reads
         # with 2 MiB pages: 32x fewer pages per read for the controller model. Both devices run at once,
         # so their throughput runs can take turns.
@@ -121,6 +208,7 @@ def main(argv: list[str]) -> int:
             serve.stop()
             if serve_big is not None:
                 serve_big.stop()
+        mapped = _map_cases(work, node, map_exe, args.map_rounds, args.deaths)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -145,6 +233,7 @@ def main(argv: list[str]) -> int:
             print(f"      {name:<32} {t[key]:6.2f}   {100 * share:5.0f} %" +
                   ("" if goal is None else f"   {_goal(share >= goal)}"))
     print(f"(c) idle chm serve: {idle_pct:.2f} % of one core over 2 s (goal < 2 %)")
+    _print_map(mapped, args.map_rounds)
     rows = [("4 KiB DRAM-hit read through libchm, p50 / p99",
              f"{lat['p50_ns'] / 1000:.2f} / {lat['p99_ns'] / 1000:.2f} µs",
              f"bare shared-memory ring: {floor['p50_ns'] / 1000:.2f} / {floor['p99_ns'] / 1000:.2f} µs "
@@ -157,10 +246,12 @@ def main(argv: list[str]) -> int:
                      f"({tput[key] / tput['memcpy_gbps']:.0%} / {tput_big[key] / tput_big['memcpy_gbps']:.0%})",
                      f"≥ {goal:.0%}"))
     rows.append(("idle `chm serve`", f"{idle_pct:.2f}% of a core", "", "< 2%"))
+    rows += _map_rows(mapped)
     result_files.write("bench_libchm", rows, {
         "latency": {"floor": floor, "libchm": lat, "modelled": modelled, "x_floor": x_floor},
         "throughput": {"size": args.size, "page_64k": tput, "page_2m": tput_big}, "idle_cpu_pct": idle_pct,
-        "iters": args.iters, "rounds": args.rounds, "reps": args.reps, "runs": args.runs}, argv)
+        "mmap": mapped, "iters": args.iters, "rounds": args.rounds, "reps": args.reps, "runs": args.runs,
+        "map_rounds": args.map_rounds}, argv)
     return 0 if tput["data_ok"] and tput_big["data_ok"] else 1
 
 

@@ -117,6 +117,7 @@ int chm_ft_track_mapped(struct chm_ft *ft);
 uint8_t *chm_ft_mapped(struct chm_ft *ft);
 uint32_t *chm_ft_dropped(struct chm_ft *ft, uint32_t *n);
 void chm_ft_clear_dropped(struct chm_ft *ft);
+void chm_ft_clear_mapped(struct chm_ft *ft);   /* no frame is mapped any more (and none awaits a punch) */
 int64_t  chm_ft_free_ways(const struct chm_ft *ft, uint32_t set);
 int64_t  chm_ft_pinned_ways(const struct chm_ft *ft, uint32_t set);  /* frames with a pin count */
 
@@ -405,6 +406,12 @@ struct chm_dev {
  * there). count_command: also count the command (reads, read latency), as Controller.count_command.
  * Returns the pages read, with *finish the time the last byte reaches the host; 0 when a page is not a
  * hit, the range is not one the device holds or no area is native: then nothing changed. */
+/* chm_mmap's DRAM-hit fault (chm serve's C loop): if the page at addr (page-aligned) is resident in the one
+ * area and ready, the read of that page a chm_read makes (counted, no copy), the frame pinned and marked mapped
+ * (chm_ft_track_mapped); its device frame, or -1 (nothing done: the server's Python path serves it). */
+int64_t chm_dev_map_hit(struct chm_dev *d, uint64_t addr, double now, double *finish);
+/* The pin of chm_dev_map_hit's frame released (the lease's ack): 0, or a CHM_E_* code. */
+int chm_dev_map_unpin(struct chm_dev *d, uint32_t frame);
 int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double now, uint8_t *out,
                          int count_command, double *finish);
 

@@ -137,6 +137,13 @@ uint8_t *chm_ft_mapped(struct chm_ft *ft) { return ft->mapped; }
 uint32_t *chm_ft_dropped(struct chm_ft *ft, uint32_t *n) { *n = ft->dropped_n; return ft->dropped; }
 void chm_ft_clear_dropped(struct chm_ft *ft) { ft->dropped_n = 0; }
 
+void chm_ft_clear_mapped(struct chm_ft *ft)
+{
+    if (ft->mapped)
+        memset(ft->mapped, 0, ft->frames);
+    ft->dropped_n = 0;
+}
+
 uint64_t *chm_ft_page_of(struct chm_ft *ft) { return ft->page_of; }
 uint8_t *chm_ft_dirty(struct chm_ft *ft) { return ft->dirty; }
 uint32_t *chm_ft_pins(struct chm_ft *ft) { return ft->pins; }

@@ -77,3 +77,24 @@ int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double 
     }
     return (int64_t)pages;
 }
+
+int64_t chm_dev_map_hit(struct chm_dev *d, uint64_t addr, double now, double *finish)
+{
+    const struct chm_dev_area *area;
+    if (d->n_areas != 1 || addr % d->page_size)
+        return -1;
+    int64_t f = dev_lookup(d, addr / d->page_size, &area);
+    if (f < 0 || !area->table->mapped || chm_dev_read_hit(d, addr, d->page_size, now, NULL, 1, finish) <= 0)
+        return -1;
+    if (chm_ft_pin(area->table, (uint32_t)f) != CHM_OK)
+        return -1;
+    area->table->mapped[f] = 1;
+    return (int64_t)area->base + f;
+}
+
+int chm_dev_map_unpin(struct chm_dev *d, uint32_t frame)
+{
+    if (d->n_areas != 1 || frame < d->areas[0].base)
+        return CHM_E_ARG;
+    return chm_ft_unpin(d->areas[0].table, frame - d->areas[0].base);
+}

@@ -229,6 +229,80 @@ static int serve_hit(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct 
     return 1;
 }
 
+int64_t chm_srv_lease_add(struct chm_srv_qp *q, uint32_t frame, uint64_t page, uint64_t deadline_ns)
+{
+    if (q->lease_count >= q->lease_cap)
+        return -EBUSY;
+    int64_t id = (int64_t)((++q->lease_seq << CHM_LEASE_SEQ_SHIFT) | frame);
+    q->leases[q->lease_count++] = (struct chm_srv_lease){ .id = id, .page = page, .frame = frame,
+                                                           .deadline_ns = deadline_ns };
+    return id;
+}
+
+int chm_srv_lease_take(struct chm_srv_qp *q, int64_t id, uint64_t page, uint32_t *frame, uint32_t *expired)
+{
+    for (uint32_t i = 0; i < q->lease_count; i++) {
+        if (q->leases[i].id == id && q->leases[i].page == page) {
+            *frame = q->leases[i].frame;
+            *expired = q->leases[i].expired;
+            q->leases[i] = q->leases[--q->lease_count];
+            return 0;
+        }
+    }
+    return -ENOENT;
+}
+
+/* server.py's _complete, without pacing (the C loop never paces) */
+static void complete(struct chm_srv_loop *l, struct chm_srv_qp *q, uint64_t user_data, int64_t res, double start,
+                     double finish)
+{
+    q->commands++;
+    q->clock = finish;
+    if (finish > l->floor)
+        l->floor = finish;
+    int64_t latency = (int64_t)(finish - start);
+    chm_srv_post(q, user_data, res, latency > 0 ? (uint64_t)latency : 0, (uint64_t)finish);
+}
+
+/* Serve e here if it is a MAP_FAULT read of a page in DRAM, ready, or the MAP_ACK of a live lease; 1 if it
+ * was. Everything else about a mapping (misses, writes, expired leases, bad entries) is mapping.py's. */
+static int serve_map(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct chm_sqe *e)
+{
+    uint32_t field;
+    if (!l->map_hit || !q->map_len || q->map_cut_off || chm_srv_check(e, l->capacity, q->staging_bytes, &field))
+        return 0;
+    double start = l->floor > q->clock ? l->floor : q->clock;
+    if (!(start < l->quiet_until))
+        return 0;
+    const uint64_t page_size = l->page_size;
+    if (e->opcode == CHM_OP_MAP_FAULT) {
+        if (e->flags || e->len != page_size || e->addr % page_size || e->addr < q->map_dev_addr ||
+            e->addr - q->map_dev_addr >= q->map_len || q->lease_count >= q->lease_cap)
+            return 0;
+        double finish;
+        int64_t frame = l->map_hit(l->dev, e->addr, start, &finish);
+        if (frame < 0)
+            return 0;
+        int64_t lease = chm_srv_lease_add(q, (uint32_t)frame, e->addr / page_size, chm_now_ns() + l->lease_ns);
+        l->map_faults++;
+        complete(l, q, e->user_data, lease, start, finish);
+        return 1;
+    }
+    if (e->opcode == CHM_OP_MAP_ACK && e->addr % page_size == 0) {
+        for (uint32_t i = 0; i < q->lease_count; i++) {
+            struct chm_srv_lease *ls = &q->leases[i];
+            if (ls->id != e->handle || ls->page != e->addr / page_size || ls->expired)
+                continue;
+            uint32_t frame = ls->frame;
+            *ls = q->leases[--q->lease_count];
+            l->map_unpin(l->dev, frame);
+            complete(l, q, e->user_data, 0, start, start);
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static void end_turn(struct chm_srv_loop *l)
 {
     l->turn++;
@@ -309,7 +383,7 @@ int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns)
         while (q->batch_next < q->batch_len && l->budget > 0) {
             const struct chm_sqe *e = &q->batch[q->batch_next];
             l->ran = 1;
-            if (!serve_hit(l, q, e))
+            if (!serve_hit(l, q, e) && !serve_map(l, q, e))
                 return (int)l->turn;
             q->batch_next++;
             l->budget -= (int64_t)e->len;

@@ -33,12 +33,34 @@ struct chm_srv_qp {
     uint64_t commands;
     uint64_t errors;
     uint64_t bad_tails;             /* times its sq tail was further ahead than the ring holds (chm_srv_fetch) */
+    /* chm_mmap (emulator/serve/mapping.py): its mapping, after a map request (map_len 0: none), and its
+     * leases, lease_count of lease_cap slots (server memory, set up by the server with the map request). */
+    uint64_t map_dev_addr;
+    uint64_t map_len;
+    uint32_t map_cut_off;           /* too many leases expired: its faults are Python's (-EPERM) */
+    uint32_t lease_count;
+    uint32_t lease_cap;
+    uint32_t pad0;
+    uint64_t lease_seq;             /* the sequence number of its last lease (CHM_LEASE_SEQ_SHIFT) */
+    struct chm_srv_lease *leases;
+};
+
+/* A lease (chm_wire.h, MAP_FAULT): frame pinned for the client until its MAP_ACK or its detach. */
+struct chm_srv_lease {
+    int64_t id;
+    uint64_t page;
+    uint32_t frame;
+    uint32_t expired;               /* not acked by deadline_ns (CLOCK_MONOTONIC): counted, still pinned */
+    uint64_t deadline_ns;
 };
 
 /* The device's DRAM-hit read, chm_core.h's chm_dev_read_hit: the server hands the C loop a pointer to it
  * from the core's module (this module does not link the core). */
 typedef int64_t (*chm_read_hit_fn)(void *dev, uint64_t addr, uint64_t len, double now, uint8_t *out,
                                    int count_command, double *finish);
+/* chm_core.h's chm_dev_map_hit and chm_dev_map_unpin, likewise. */
+typedef int64_t (*chm_map_hit_fn)(void *dev, uint64_t addr, double now, double *finish);
+typedef int (*chm_map_unpin_fn)(void *dev, uint32_t frame);
 
 /* The C serving loop (chm_srv_serve): one turn per client per pass, as server.py's _run_ready gives. */
 struct chm_srv_loop {
@@ -56,6 +78,12 @@ struct chm_srv_loop {
     void *dev;
     uint64_t hits;                  /* commands served in C */
     uint32_t core_shared;           /* the last yield while waiting ran another task on this core */
+    /* chm_mmap's DRAM-hit faults and their acks, served here too (NULL map_hit: never) */
+    chm_map_hit_fn map_hit;
+    chm_map_unpin_fn map_unpin;
+    uint64_t page_size;
+    uint64_t lease_ns;              /* a lease's life before it expires */
+    uint64_t map_faults;            /* MAP_FAULTs served here (mapping.py adds them to its counts) */
 };
 
 #define CHM_SRV_IDLE -1             /* no client has a command, after spinning */
@@ -109,6 +137,11 @@ int chm_srv_pending(struct chm_srv_qp **qps, unsigned n, uint64_t spin_ns);
  * A command is served here only if it is a read that passes chm_srv_check, at most chunk_bytes, starting
  * before quiet_until, that read_hit serves whole; everything else, bad entries included, is Python's. A parked client's turns are skipped. */
 int chm_srv_serve(struct chm_srv_loop *l, uint64_t spin_ns, uint64_t max_ns);
+
+/* chm_mmap's lease table of a client (struct chm_srv_qp): add one (its id, or -EBUSY when lease_cap are held);
+ * take one back (0, with *frame and *expired; -ENOENT: no lease id of this client for page). */
+int64_t chm_srv_lease_add(struct chm_srv_qp *q, uint32_t frame, uint64_t page, uint64_t deadline_ns);
+int chm_srv_lease_take(struct chm_srv_qp *q, int64_t id, uint64_t page, uint32_t *frame, uint32_t *expired);
 
 /* chm_mmap's two actions on other processes' mappings (emulator/serve/mapping.py), 0 or -errno:
  * punch: free [offset, offset+len) of the DRAM memfd, which unmaps those pages from every process at once

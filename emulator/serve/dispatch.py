@@ -203,7 +203,7 @@ class Dispatch:
         if op == lib.CHM_OP_STATS:
             snap = ctl.snapshot()
             slot = c.stats_slot
-            snap.update(self.map_counts)
+            snap.update(self.map_stats())
             for name in STATS_FIELDS:
                 setattr(slot, name, int(snap.get(name, 0)))
             slot.clients = len(self.clients)
@@ -211,7 +211,7 @@ class Dispatch:
             return 0, start
         if op == lib.CHM_OP_STATS_JSON:
             snap = ctl.snapshot()
-            snap.update(self.map_counts)
+            snap.update(self.map_stats())
             snap.update(clock_ns=start, clients=len(self.clients), client_id=c.id, last_error=c.last_error,
                         parked_waits=len(self.parked), bad_entries=dict(c.bad_entries),
                         device_bad_entries=dict(self.bad_entries),

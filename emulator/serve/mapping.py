@@ -21,7 +21,7 @@ from emulator.native import ffi as core_ffi, lib as core_lib
 from emulator.errors import WriteBufferFull
 
 from .limits import MAP_LEASE_MS_RANGE, MAP_MAX_EXPIRED_RANGE
-from .rings import ffi, lib
+from .rings import MAP_HIT, MAP_UNPIN, ffi, lib
 
 if TYPE_CHECKING:
     from .clients import Client
@@ -39,24 +39,16 @@ class MapFieldError(ChmError):
 
 
 @dataclass
-class Lease:
-    frame: int
-    page: int
-    deadline: float  # monotonic seconds
-    expired: bool = False
-
-
-@dataclass
 class MapState:
-    """What the device keeps about one client's mapping."""
+    """What the device keeps about one client's mapping (its leases are in its struct chm_srv_qp, where the C
+    loop serves DRAM-hit faults and acks too)."""
 
     uffd: int
     dev_addr: int
     length: int
     base: int
-    leases: dict[int, Lease] = field(default_factory=dict)
+    leases: object  # struct chm_srv_lease[], the table c.srv.leases points at
     writable: set[int] = field(default_factory=set)  # frames it may write without a fault
-    next_seq: int = 1
     expired: int = 0
     cut_off: bool = False
 
@@ -80,8 +72,16 @@ class Mapping:
                                          "map_writeprotects", "map_clients_cut_off"), 0)
         self._writers: dict[int, dict[int, int]] = {}  # frame -> {client id: its address of the frame's page}
         self._map_tables = None  # [(area base, table cdata, mapped u8*)] once a client maps
-        self._lease_count = 0
         self._dropped_n = core_ffi.new("uint32_t *")
+        self._lease_taken = ffi.new("uint32_t[2]")  # chm_srv_lease_take's frame and expired
+
+    def _map_loop_setup(self, native: bool) -> None:
+        """The C loop's part: DRAM-hit faults and acks served there too when it serves hits (``native``)."""
+        loop = self._loop
+        loop.page_size = self.ctl.page
+        loop.lease_ns = int(self.map_lease_s * 1e9)
+        loop.map_hit = MAP_HIT if native else ffi.NULL
+        loop.map_unpin = MAP_UNPIN if native else ffi.NULL
 
     def map_problem(self) -> str | None:
         """Why this device cannot be mapped (None: it can)."""
@@ -106,7 +106,11 @@ class Mapping:
         req = ffi.cast("struct chm_map_req *", ffi.from_buffer(raw))
         if self._map_tables is None:
             self._map_track()
-        c.mapping = MapState(fds[0], req.dev_addr, req.len, req.base)
+        srv = c.srv
+        leases = ffi.new("struct chm_srv_lease[]", srv.sq_entries)  # at most a ring's worth held at once
+        c.mapping = MapState(fds[0], req.dev_addr, req.len, req.base, leases)
+        srv.leases, srv.lease_cap, srv.lease_count = leases, srv.sq_entries, 0
+        srv.map_dev_addr, srv.map_len = req.dev_addr, req.len
         self._map_reply(c, 0)
 
     def _check_map_req(self, c: Client, raw: bytes, fds: list[int]) -> tuple[int, str]:
@@ -175,8 +179,8 @@ class Mapping:
             raise MapFieldError(errno.EINVAL, "len", f"MAP_FAULT len {e.len}: exactly page_size {page_size}")
         if m.cut_off:
             raise ChmError(errno.EPERM, f"client {c.id} is cut off: {self.map_max_expired} of its leases expired")
-        if len(m.leases) >= c.srv.sq_entries:
-            raise ChmError(errno.EBUSY, f"client {c.id} holds {len(m.leases)} leases, as many as its ring holds")
+        if c.srv.lease_count >= c.srv.lease_cap:
+            raise ChmError(errno.EBUSY, f"client {c.id} holds {c.srv.lease_count} leases, as many as its ring holds")
         write = bool(e.flags & lib.CHM_FAULT_WRITE)
         self._map_punch_dropped()
         finish = ctl.read(e.addr, page_size, start).finish  # the access a chm_read of the page makes
@@ -195,23 +199,21 @@ class Mapping:
         self.map_counts["map_faults"] += 1
         ctl.policy.pin(frame)
         self._map_mark(frame)
-        lease = (m.next_seq << lib.CHM_LEASE_SEQ_SHIFT) | frame
-        m.next_seq += 1
-        m.leases[lease] = Lease(frame, page, self.clock.monotonic() + self.map_lease_s)
-        self._lease_count += 1
+        lease = lib.chm_srv_lease_add(c.srv, frame, page, self.clock.monotonic_ns() + self._loop.lease_ns)
         if write:
             m.writable.add(frame)
             self._writers.setdefault(frame, {})[c.id] = m.vaddr(page, page_size)
         return lease, finish
 
     def _map_ack(self, c: Client, e, start: float) -> tuple[int, float]:
-        m = self._map_of(c, e)
-        lease = m.leases.get(e.handle)
-        if lease is None or lease.page * self.ctl.page != e.addr:
-            what = "no lease of this client" if lease is None else f"the lease of addr {lease.page * self.ctl.page}"
-            raise MapFieldError(errno.EINVAL, "handle", f"MAP_ACK handle {e.handle} addr {e.addr}: {what}")
-        self._end_lease(m, e.handle)
-        if lease.expired:
+        self._map_of(c, e)
+        page_size = self.ctl.page
+        taken = self._lease_taken
+        if e.addr % page_size or lib.chm_srv_lease_take(c.srv, e.handle, e.addr // page_size, taken, taken + 1):
+            raise MapFieldError(errno.EINVAL, "handle", f"MAP_ACK handle {e.handle} addr {e.addr}: no lease of "
+                                                        f"this client for that page")
+        self.ctl.policy.unpin(taken[0])
+        if taken[1]:
             raise ChmError(errno.ETIMEDOUT, f"lease {e.handle} had expired ({self.map_lease_s * 1e3:g} ms)")
         return 0, start
 
@@ -228,42 +230,47 @@ class Mapping:
                 mapped[frame - base] = 1
                 return
 
-    def _end_lease(self, m: MapState, lease_id: int) -> None:
-        lease = m.leases.pop(lease_id)
-        self._lease_count -= 1
-        self.ctl.policy.unpin(lease.frame)
-
     # ---- timers --------------------------------------------------------------------------
+    def _map_leases(self):
+        """(client, its mapping, lease) of every lease held."""
+        for c in self._order:
+            m, srv = c.mapping, c.srv
+            if m is not None:
+                for i in range(srv.lease_count):
+                    yield c, m, srv.leases[i]
+
     def _map_next_deadline(self) -> float | None:
         """Monotonic seconds of the next lease expiry, if any lease is held."""
-        if not self._lease_count:
+        if self._map_tables is None:
             return None
-        return min((ls.deadline for c in self._order if (m := c.mapping) is not None
-                    for ls in m.leases.values() if not ls.expired), default=None)
+        return min((ls.deadline_ns / 1e9 for _, _, ls in self._map_leases() if not ls.expired), default=None)
 
     def _map_expire(self) -> None:
         """Expire leases past their deadline; cut a client off at map_max_expired expiries. An expired lease
         keeps its frame pinned until its ACK or the client's detach: a late install then still finds the page
         it asked for, and no other page can be in the frame."""
-        if not self._lease_count:
+        if self._map_tables is None:
             return
-        now = self.clock.monotonic()
-        for c in self._order:
-            m = c.mapping
-            if m is None:
-                continue
-            for lease_id, lease in m.leases.items():
-                if not lease.expired and lease.deadline <= now:
-                    lease.expired = True
-                    m.expired += 1
-                    self.map_counts["map_leases_expired"] += 1
-                    self._log_limited("lease", f"client {c.id} (pid {c.pid}) did not ack lease {lease_id} of page "
-                                               f"{lease.page} within {self.map_lease_s * 1e3:g} ms")
-            if not m.cut_off and m.expired >= self.map_max_expired:
-                m.cut_off = True
-                self.map_counts["map_clients_cut_off"] += 1
-                self._log_limited("cut-off", f"client {c.id} (pid {c.pid}) cut off: {m.expired} leases expired "
-                                             f"(--map-max-expired {self.map_max_expired})")
+        now = self.clock.monotonic_ns()
+        for c, m, lease in self._map_leases():
+            if not lease.expired and lease.deadline_ns <= now:
+                lease.expired = 1
+                m.expired += 1
+                self.map_counts["map_leases_expired"] += 1
+                self._log_limited("lease", f"client {c.id} (pid {c.pid}) did not ack lease {lease.id} of page "
+                                           f"{lease.page} within {self.map_lease_s * 1e3:g} ms")
+                if not m.cut_off and m.expired >= self.map_max_expired:
+                    m.cut_off = True
+                    c.srv.map_cut_off = 1
+                    self.map_counts["map_clients_cut_off"] += 1
+                    self._log_limited("cut-off", f"client {c.id} (pid {c.pid}) cut off: {m.expired} leases "
+                                                 f"expired (--map-max-expired {self.map_max_expired})")
+
+    def map_stats(self) -> dict[str, int]:
+        """The map_* counters (chm_stats.h's CHM_STATS_MAP), the C loop's faults included."""
+        counts = dict(self.map_counts)
+        counts["map_faults"] += self._loop.map_faults
+        return counts
 
     # ---- the frame hooks (dram.Frames) ----------------------------------------------------
     def _map_quiesce(self, frame: int) -> None:
@@ -310,8 +317,14 @@ class Mapping:
         if m is None:
             return
         c.mapping = None
-        for lease_id in list(m.leases):
-            self._end_lease(m, lease_id)
+        srv = c.srv
+        for i in range(srv.lease_count):  # its leases end: their frames may be reused (its mm is gone or detached)
+            self.ctl.policy.unpin(srv.leases[i].frame)
+        srv.lease_count = srv.map_len = 0
+        if not any(o.mapping is not None for o in self._order if o is not c):
+            # No mapping is left anywhere, so no page table maps a frame: nothing needs a punch any more.
+            for _, table, _ in self._map_tables:
+                core_lib.chm_ft_clear_mapped(table)
         for frame in m.writable:
             writers = self._writers.get(frame)
             if writers is not None:

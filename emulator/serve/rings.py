@@ -17,6 +17,11 @@ ffi, lib = _srv.ffi, _srv.lib  # the wire's structs and constants, the ring help
 READ_HIT = ffi.cast("chm_read_hit_fn",
                     int(core_ffi.cast("uintptr_t", core_ffi.addressof(core_lib, "chm_dev_read_hit"))))
 
+# chm_mmap's DRAM-hit fault and its ack, likewise (the C loop serves them beside hit reads).
+MAP_HIT = ffi.cast("chm_map_hit_fn", int(core_ffi.cast("uintptr_t", core_ffi.addressof(core_lib, "chm_dev_map_hit"))))
+MAP_UNPIN = ffi.cast("chm_map_unpin_fn",
+                     int(core_ffi.cast("uintptr_t", core_ffi.addressof(core_lib, "chm_dev_map_unpin"))))
+
 STATS_FIELDS = [name for name, _ in ffi.typeof("struct chm_wire_stats").fields]
 SQE_FIELDS = [name for name, _ in ffi.typeof("struct chm_sqe").fields]  # chm_srv_check's field index names these
 TAIL_FIELD = "sq_tail"  # a bad entry count of its own: the sq tail further ahead than the ring holds

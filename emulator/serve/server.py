@@ -161,6 +161,7 @@ class DeviceServer(ServeLoop, FairTurns, Dispatch, Parking, Connections, Mapping
         loop.capacity = self.ctl.capacity
         loop.read_hit = READ_HIT if self.native_loop else ffi.NULL
         loop.dev = ffi.cast("void *", int(core_ffi.cast("uintptr_t", self.ctl.native_dev)))
+        self._map_loop_setup(self.native_loop)
         self.wall0 = self.clock.monotonic_ns()
         self.held: list[tuple[float, int, int, Client, int, int, float, float]] = []  # pacing heap
         self.parked: list[Client] = []  # clients whose prefetch wait waits for media reads, oldest first
@@ -206,7 +207,7 @@ class DeviceServer(ServeLoop, FairTurns, Dispatch, Parking, Connections, Mapping
 
     def _teardown(self, now: float) -> float:
         done = now
-        self._loop.read_hit = ffi.NULL  # the controller goes
+        self._loop.read_hit = self._loop.map_hit = ffi.NULL  # the controller goes
         self.native_loop = False
         try:
             if self.ctl is not None:

@@ -381,8 +381,7 @@ static void handle_fault(struct chm_map *m, uintptr_t address, uint64_t fault_fl
         fail_page(m, idx, ret);
         return;
     }
-    m->strict_last = (ssize_t)idx;
-    uffd_wake(m, at, m->page);
+    m->strict_last = (ssize_t)idx;   /* CONTINUE and the write-protect lift woke the faulting threads */
 }
 
 static void *handler(void *arg)

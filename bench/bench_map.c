@@ -1,0 +1,212 @@
+/*
+ * The chm_mmap side of bench/bench_libchm.py (issue 26). Prints one JSON object per line.
+ *
+ *   bench_map touch NODE PAGES ROUNDS   4 KiB first-touch reads through a fresh mapping against chm_read of
+ *                                       the same 4 KiB, sequential and random, on DRAM hits and on misses;
+ *                                       in each round every contender takes its turn on the same pages
+ *   bench_map resident NODE BYTES REPS  memcpy out of resident mapped pages against memcpy of private memory
+ *   bench_map death NODE                map, touch, say "ready", then time from the device's death (its
+ *                                       pidfd) to the mapping's withdrawal (chm_map_error)
+ *
+ * The device must have a one-area policy (lru) whose read area holds PAGES pages (hits) but not 2*PAGES (a
+ * read of the churn region [PAGES, 3*PAGES) then evicts the pages measured, [0, PAGES): misses).
+ */
+#define _GNU_SOURCE
+#include <poll.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chm.h>
+
+#define BLOCK 4096
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void die(const char *what, long err)
+{
+    fprintf(stderr, "bench_map: %s: %s\n", what, chm_strerror((int)err));
+    exit(1);
+}
+
+static uint64_t page_size;
+static char block[BLOCK];
+
+/* Every page of [first, first+n) read once by chm_read: resident (hits next), the ones before evicted. */
+static void warm(chm_dev *dev, uint64_t first, uint64_t n)
+{
+    for (uint64_t p = first; p < first + n; p++) {
+        ssize_t r = chm_read(dev, p * page_size, block, BLOCK);
+        if (r < 0)
+            die("chm_read (warm)", r);
+    }
+}
+
+/* One contender over the pages in `order`: chm_read of 4 KiB at the page's offset `off`, or a load of the
+ * same 4 KiB through a fresh mapping of [0, n) pages (its first touch: one fault each). */
+static void pass(chm_dev *dev, const uint64_t *order, uint64_t n, uint64_t off, int mapped, int sequential,
+                 uint64_t *out)
+{
+    void *base = NULL;
+    if (mapped) {
+        int ret = chm_mmap_range(dev, 0, n * page_size, &base, 0);
+        if (ret < 0)
+            die("chm_mmap_range", ret);
+    }
+    uint64_t blocks = sequential ? page_size / BLOCK : 1;
+    for (uint64_t i = 0; i < n; i++) {
+        for (uint64_t b = 0; b < blocks; b++) {
+            uint64_t addr = order[i] * page_size + (sequential ? b * BLOCK : off);
+            uint64_t t0 = now_ns();
+            if (mapped) {
+                memcpy(block, (char *)base + addr, BLOCK);
+                __asm__ __volatile__("" : : "r"(block) : "memory");
+            } else {
+                ssize_t r = chm_read(dev, addr, block, BLOCK);
+                if (r != BLOCK)
+                    die("chm_read", r);
+            }
+            out[i * blocks + b] = now_ns() - t0;
+        }
+    }
+    if (mapped)
+        chm_munmap(dev, base);
+}
+
+static void print_p(const char *what, uint64_t *v, uint64_t n)
+{
+    qsort(v, n, sizeof *v, cmp_u64);
+    printf("{\"what\": \"%s\", \"samples\": %llu, \"p50_ns\": %llu, \"p99_ns\": %llu}\n", what,
+           (unsigned long long)n, (unsigned long long)v[n / 2], (unsigned long long)v[n * 99 / 100]);
+}
+
+static int run_touch(const char *node, uint64_t n, int rounds)
+{
+    chm_dev *dev;
+    int ret = chm_open(node, &dev);
+    if (ret < 0)
+        die("chm_open", ret);
+    struct chm_info info;
+    chm_get_info(dev, &info);
+    page_size = info.page_size;
+    uint64_t per_page = page_size / BLOCK;
+    uint64_t *order = malloc(n * sizeof *order), *seq = malloc(n * sizeof *seq);
+    uint64_t *v[8];
+    for (int k = 0; k < 8; k++)
+        v[k] = malloc((size_t)rounds * n * per_page * sizeof(uint64_t));
+    uint64_t count[8] = { 0 };
+    srand(26);
+    for (uint64_t i = 0; i < n; i++)
+        seq[i] = order[i] = i;
+    static const char *names[8] = { "hit_seq_read", "hit_seq_map", "hit_rand_read", "hit_rand_map",
+                                    "miss_seq_read", "miss_seq_map", "miss_rand_read", "miss_rand_map" };
+    for (int round = 0; round < rounds; round++) {
+        for (uint64_t i = n - 1; i > 0; i--) {   /* a new random order each round */
+            uint64_t j = (uint64_t)rand() % (i + 1), t = order[i];
+            order[i] = order[j];
+            order[j] = t;
+        }
+        uint64_t off = ((uint64_t)rand() % per_page) * BLOCK;
+        for (int k = 0; k < 8; k++) {   /* each contender on the same pages, taking turns */
+            int miss = k >= 4, sequential = (k / 2) % 2 == 0, mapped = k % 2;
+            warm(dev, miss ? n : 0, miss ? 2 * n : n);   /* hits: the pages resident; misses: evicted */
+            uint64_t samples = sequential ? n * per_page : n;
+            pass(dev, sequential ? seq : order, n, off, mapped, sequential, v[k] + count[k]);
+            count[k] += samples;
+        }
+    }
+    struct chm_stats st;
+    chm_get_stats(dev, &st);
+    for (int k = 0; k < 8; k++)
+        print_p(names[k], v[k], count[k]);
+    printf("{\"what\": \"stats\", \"map_faults\": %llu, \"page_hits\": %llu, \"page_misses\": %llu}\n",
+           (unsigned long long)st.map_faults, (unsigned long long)st.page_hits, (unsigned long long)st.page_misses);
+    chm_close(dev);
+    return 0;
+}
+
+static int run_resident(const char *node, size_t bytes, int reps)
+{
+    chm_dev *dev;
+    int ret = chm_open(node, &dev);
+    if (ret < 0)
+        die("chm_open", ret);
+    void *base;
+    if ((ret = chm_mmap_range(dev, 0, bytes, &base, 0)) < 0)
+        die("chm_mmap_range", ret);
+    char *priv = malloc(bytes), *dst = malloc(bytes);
+    memset(priv, 3, bytes);
+    memset(dst, 1, bytes);
+    if ((ret = chm_map_populate(dev, base, bytes)) < 0)
+        die("chm_map_populate", ret);
+    uint64_t *t_map = malloc(reps * sizeof(uint64_t)), *t_mem = malloc(reps * sizeof(uint64_t));
+    for (int i = 0; i < reps; i++) {   /* the two take turns */
+        uint64_t t0 = now_ns();
+        memcpy(dst, base, bytes);
+        __asm__ __volatile__("" : : "r"(dst) : "memory");
+        uint64_t t1 = now_ns();
+        memcpy(dst, priv, bytes);
+        __asm__ __volatile__("" : : "r"(dst) : "memory");
+        t_map[i] = t1 - t0;
+        t_mem[i] = now_ns() - t1;
+    }
+    qsort(t_map, reps, sizeof(uint64_t), cmp_u64);
+    qsort(t_mem, reps, sizeof(uint64_t), cmp_u64);
+    printf("{\"what\": \"resident\", \"bytes\": %zu, \"reps\": %d, \"mapped_gbps\": %.3f, \"memcpy_gbps\": %.3f}\n",
+           bytes, reps, (double)bytes / (double)t_map[reps / 2], (double)bytes / (double)t_mem[reps / 2]);
+    chm_close(dev);
+    return 0;
+}
+
+static int run_death(const char *node)
+{
+    chm_dev *dev;
+    int ret = chm_open(node, &dev);
+    if (ret < 0)
+        die("chm_open", ret);
+    struct chm_info info;
+    chm_get_info(dev, &info);
+    void *base;
+    if ((ret = chm_mmap_range(dev, 0, info.page_size * 4, &base, 0)) < 0)
+        die("chm_mmap_range", ret);
+    volatile char *p = base;
+    (void)p[0];
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)info.server_pid, 0);
+    printf("ready\n");
+    fflush(stdout);
+    struct pollfd pfd = { .fd = pidfd, .events = POLLIN };
+    poll(&pfd, 1, -1);
+    uint64_t died = now_ns();
+    while (chm_map_error(dev, base) == 0 && now_ns() - died < 10000000000ull)
+        ;
+    printf("{\"what\": \"death\", \"withdrawn_after_ns\": %llu, \"error\": %d}\n",
+           (unsigned long long)(now_ns() - died), chm_map_error(dev, base));
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 5 && !strcmp(argv[1], "touch"))
+        return run_touch(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]));
+    if (argc == 5 && !strcmp(argv[1], "resident"))
+        return run_resident(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]));
+    if (argc == 3 && !strcmp(argv[1], "death"))
+        return run_death(argv[2]);
+    fprintf(stderr, "usage: %s touch NODE PAGES ROUNDS | resident NODE BYTES REPS | death NODE\n", argv[0]);
+    return 2;
+}
