@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.cli import ChmArgumentParser, UsageError, float_in, int_at_least
 
-from .names import EVAL_ROWS, HOST_DRAM_BYTES, MAPPINGS, METHODS, STRATEGY_MODES, TIMINGS
+from .names import EVAL_ROWS, HOST_DRAM_BYTES, MAPPINGS, METHODS, STRATEGY_MODES, TIMINGS, V_TIERS
 from .perfmodel import METHODS as PERF_METHODS
 from .perfmodel import PAPER_SEQ_LEN, list_platforms, load_models
 
@@ -209,6 +209,11 @@ def _engine_args(p, with_method: bool = True, with_k: bool = True) -> None:
                    help="host DRAM for offloaded KV, MiB: beyond it V moves to the CXL tier, then K (default "
                         f"{HOST_DRAM_BYTES / 2**20:g})")
     p.add_argument("--no-prefetch", action="store_true", help="read CXL-resident V rows on demand only")
+    p.add_argument("--cxl-node", default=None, metavar="NODE",
+                   help="the CXL tier is the `chm serve` device at NODE (default: a device in this process)")
+    p.add_argument("--v-tier", default="read", choices=V_TIERS,
+                   help="CXL-resident V rows by explicit reads, or mapped: loads through a mapping of the "
+                        "--cxl-node device (its policy lru, not hymcache) (default read)")
     p.add_argument("--timing", default="measured", choices=TIMINGS, help="scheduler inputs")
     p.add_argument("--platform", default="A", type=_platform_name,
                    help=f"platform for the modelled times: {', '.join(list_platforms())} or a TOML path "
@@ -229,7 +234,9 @@ def _options(args, method: str) -> "EngineOptions":
                          layer_ahead=not args.exact, exact_layers=args.exact_layers, mapping=args.mapping,
                          host_dram_bytes=args.host_dram_mib * 2**20, prefetch=not args.no_prefetch,
                          timing=args.timing, platform=args.platform, batch=getattr(args, "batch", 1),
-                         window=args.window or GENERATE_WINDOW)
+                         window=args.window or GENERATE_WINDOW, cxl_node=args.cxl_node, v_tier=args.v_tier)
+    if opts.v_tier == "mapped" and opts.cxl_node is None:
+        raise UsageError("--v-tier mapped needs --cxl-node NODE: a `chm serve --policy lru` device to map")
     try:
         opts.validate()
     except ValueError as exc:

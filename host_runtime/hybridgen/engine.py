@@ -31,7 +31,8 @@ import torch
 
 from . import perfmodel
 from .attention import attention_logits, cpu_logits_rows, hybrid_attention, monolithic_attention
-from .names import HOST_DRAM_BYTES, METHODS, STRATEGY_MODES, TIMINGS  # noqa: F401 -- re-exported
+from .mapped_tier import MappedHostKV
+from .names import HOST_DRAM_BYTES, METHODS, STRATEGY_MODES, TIMINGS, V_TIERS  # noqa: F401 -- re-exported
 from .scheduler import POST, PRE, FeedbackScheduler
 from .selectors import (AccumulatedScore, AllTokens, InfiniGenSpeculation, Keyformer, RecentWithSinks,
                         SelectionRequest, StreamingLLM, TokenSelector, TopKLogits)
@@ -88,7 +89,10 @@ class EngineOptions:
     platform: str = "A"
     sinks: int = 4
     window: int = 128              # StreamingLLM's recent window over the whole context
-    cxl_policy: str = "hymcache"
+    cxl_policy: str = "hymcache"   # the in-process tier's policy (a served one has its server's)
+    cxl_node: str | None = None    # a `chm serve` device node (name or path) as the CXL tier; None: in process
+    v_tier: str = "read"           # CXL-resident V rows by explicit reads, or "mapped" (loads through a mapping
+                                   # of the served device at cxl_node: mapped_tier)
 
     def validate(self) -> None:
         def need(ok, name, value, allowed):
@@ -106,6 +110,9 @@ class EngineOptions:
         need(self.window >= 1, "window", self.window, ">= 1")
         need(self.sinks >= 0, "sinks", self.sinks, ">= 0")
         need(self.exact_layers >= 0, "exact_layers", self.exact_layers, ">= 0")
+        need(self.v_tier in V_TIERS, "v_tier", self.v_tier, V_TIERS)
+        need(self.cxl_node is None or (isinstance(self.cxl_node, str) and self.cxl_node), "cxl_node",
+             self.cxl_node, "None or a device node name or path")
         try:
             perfmodel.platform_path(self.platform)
         except ValueError:
@@ -178,9 +185,19 @@ class Engine:
         self.resident = [ResidentKV(opts.batch, cfg.n_kv_heads, cfg.head_dim, resident_capacity, dev)
                          for _ in range(cfg.n_layers)]
         self._own_cxl = cxl is None and opts.method != "full"
-        self.cxl = open_cxl_tier(policy=opts.cxl_policy) if self._own_cxl else cxl
-        self.host = HostKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, opts.capacity, self.cxl, opts.mapping,
-                           opts.host_dram_bytes, batch=opts.batch) if opts.method != "full" else None
+        if self._own_cxl and opts.v_tier == "mapped" and opts.cxl_node is None:
+            raise ValueError("cxl_node=None is invalid with v_tier='mapped': allowed the node of a `chm serve` "
+                             "device (mapped V rows need a device out of this process)")
+        self.cxl = open_cxl_tier(policy=opts.cxl_policy, node=opts.cxl_node) if self._own_cxl else cxl
+        self.host = None
+        if opts.method != "full":
+            tier = MappedHostKV if opts.v_tier == "mapped" else HostKV
+            try:
+                self.host = tier(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, opts.capacity, self.cxl, opts.mapping,
+                                 opts.host_dram_bytes, batch=opts.batch)
+            except BaseException:
+                self._close_cxl()
+                raise
         self.selector = make_selector(opts)
         self.pre_selector = RecentWithSinks(opts.sinks)
         self.scheduler = FeedbackScheduler(opts.k_min, opts.k_max, opts.k_step)
@@ -194,6 +211,11 @@ class Engine:
     # ---- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
         self.worker.shutdown(wait=True)
+        if self.host is not None:
+            self.host.close()  # before the tier: a mapping's tensors go before the device does
+        self._close_cxl()
+
+    def _close_cxl(self) -> None:
         if self._own_cxl and self.cxl is not None:
             self.cxl.close()
             self.cxl = None

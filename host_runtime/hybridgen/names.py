@@ -7,6 +7,9 @@ METHODS = ("full", "hybridgen", "flexgen", "moe-lightning", "h2o", "keyformer", 
 EVAL_ROWS = METHODS + ("hybridgen-scheduled",)
 TIMINGS = ("measured", "model")
 MAPPINGS = ("semantic", "interleaved")
+# how CXL-resident V rows are reached: explicit read requests (the baseline), or loads and stores through a
+# mapping of a `chm serve` device (mapped_tier.MappedHostKV; needs the device's node)
+V_TIERS = ("read", "mapped")
 POST, PRE = "post", "pre"  # selection before or after the CPU's logits of every offloaded token
 STRATEGY_MODES = ("auto", POST, PRE)  # auto: Algorithm 1 picks K and the strategy; post/pre: pinned, K = k_min
 HOST_DRAM_BYTES = 32 << 20  # default host-DRAM budget for offloaded KV: SmolLM2's KV (46 KB a token) outgrows it

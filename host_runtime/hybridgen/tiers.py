@@ -19,7 +19,8 @@
 The CXL tier is any object with the device API (``write(addr, bytes)``,
 ``read(addr, length) -> bytes``, ``prefetch``, ``wait``, ``release``, ``flush()``,
 ``info()``, ``last_latency_ns``): ``emulator.Device`` in process, or
-``libchm.Device`` — one line in ``open_cxl_tier`` swaps it. Offloaded tokens are
+``libchm.Device`` of a ``chm serve`` (``open_cxl_tier(node=...)``). ``mapped_tier.MappedHostKV`` keeps the
+V rows of that tier in a mapping of the device instead (loads and stores, no reads). Offloaded tokens are
 always a prefix of each sequence (eviction is oldest first), so slot == position,
 and rows in the CXL tier are a prefix of the slots too (spilling is oldest first).
 """
@@ -42,8 +43,13 @@ ROW_DTYPE = torch.float32
 KINDS = ("k", "v")
 
 
-def open_cxl_tier(media_dir=None, profile: str = "small", policy: str = "hymcache"):
-    """The CXL tier. Swap for ``libchm.Device.open(...)`` once the driver has landed."""
+def open_cxl_tier(media_dir=None, profile: str = "small", policy: str = "hymcache", node: str | None = None):
+    """The CXL tier: ``libchm.Device`` of the ``chm serve`` at ``node`` (its own profile and policy), or with
+    ``node`` None an ``emulator.Device`` in this process."""
+    if node is not None:
+        from libchm import Device as Served
+
+        return Served(node)
     from emulator import Device
 
     return Device.open(profile=profile, media_dir=media_dir, policy=policy)
@@ -243,12 +249,8 @@ class HostKV:
         """Ascending slots [n] -> rows [n, Hkv*d] read from the CXL tier in coalesced runs."""
         out = np.empty((len(slots), self.hkv * self.d), dtype=np.float32)
         i = 0
-        staged = self._prefetched.get((layer, seq)) if kind == "v" else None
         with self._cxl_lock:
-            if staged is not None and not staged[1]:  # staged on the device since the previous layer: wait once
-                self.cxl.wait(staged[0])
-                self.counters.cxl_ns += self.cxl.last_latency_ns
-                staged[1] = True
+            self._wait_staged(kind, layer, seq)
             for start, n in coalesce(slots):
                 raw = self.cxl.read(self._addr(kind, layer, seq, start), n * self.row_bytes)
                 self.counters.cxl_ns += self.cxl.last_latency_ns
@@ -258,6 +260,18 @@ class HostKV:
                 i += n
         self.counters.bytes["cxl_read"] += len(slots) * self.row_bytes
         return out
+
+    def _wait_staged(self, kind: str, layer: int, seq: int) -> None:
+        """Before the first read of V rows staged on the device since the previous layer: wait once (lock held)."""
+        staged = self._prefetched.get((layer, seq)) if kind == "v" else None
+        if staged is not None and not staged[1]:
+            self.cxl.wait(staged[0])
+            self.counters.cxl_ns += self.cxl.last_latency_ns
+            staged[1] = True
+
+    def _stage_values(self, layer: int, seq: int, lo: int, hi: int) -> int:
+        """Ask the device to stage V slots [lo, hi) of ``layer`` and ``seq``: its prefetch handle (lock held)."""
+        return self.cxl.prefetch(self._addr("v", layer, seq, lo), (hi - lo) * self.row_bytes)
 
     def prefetch_values(self, layer: int) -> None:
         """Stage the CXL-resident V rows of ``layer`` on the device (all sequences); EBUSY: read them on demand."""
@@ -271,7 +285,7 @@ class HostKV:
             lo, hi = int(slots[0]), int(slots[-1]) + 1
             with self._cxl_lock:
                 try:
-                    handle = self.cxl.prefetch(self._addr("v", layer, b, lo), (hi - lo) * self.row_bytes)
+                    handle = self._stage_values(layer, b, lo, hi)
                     self._prefetched[(layer, b)] = [handle, False]
                     self.counters.prefetches += 1
                 except Exception as exc:
@@ -293,6 +307,9 @@ class HostKV:
                     self.cxl.wait(handle)
                 self.cxl.release(handle)
                 self.counters.cxl_ns += self.cxl.last_latency_ns
+
+    def close(self) -> None:
+        """Let go of what this object holds on the CXL tier (the tier itself is its owner's to close)."""
 
     # ---- API ----------------------------------------------------------------------------
     def append(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
