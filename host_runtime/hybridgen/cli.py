@@ -213,7 +213,7 @@ def _engine_args(p, with_method: bool = True, with_k: bool = True) -> None:
                    help="the CXL tier is the `chm serve` device at NODE (default: a device in this process)")
     p.add_argument("--v-tier", default="read", choices=V_TIERS,
                    help="CXL-resident V rows by explicit reads, or mapped: loads through a mapping of the "
-                        "--cxl-node device (its policy lru, not hymcache) (default read)")
+                        "--cxl-node device (e.g. chm serve --policy lru) (default read)")
     p.add_argument("--timing", default="measured", choices=TIMINGS, help="scheduler inputs")
     p.add_argument("--platform", default="A", type=_platform_name,
                    help=f"platform for the modelled times: {', '.join(list_platforms())} or a TOML path "

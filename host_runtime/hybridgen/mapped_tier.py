@@ -14,8 +14,8 @@ wrapped with no copy (``torch.frombuffer``) as ``v_cxl`` [layers, batch, capacit
 K rows that spill too (host DRAM smaller than all of K) stay on explicit requests, at ``HostKV``'s
 addresses; the V region starts at the first page boundary after them (a mapping is page-aligned).
 
-The device must be a ``libchm.Device`` of a ``chm serve`` whose policy keeps a page in one DRAM frame
-(``lru``, ...): ``mmap`` refuses two-area policies (hymcache) with EOPNOTSUPP, named. ``close`` drops the
+The device must be a ``libchm.Device`` of a ``chm serve`` that ``mmap`` can map (``--policy lru``, as the
+test and the bench run it); one it cannot is refused with EOPNOTSUPP, which names why. ``close`` drops the
 tensor before withdrawing the mapping (an access after ``munmap`` is SIGBUS); the device outlives both.
 """
 

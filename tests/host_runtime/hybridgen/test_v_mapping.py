@@ -5,6 +5,8 @@ rows really live on the device (a ``chm_read`` of their addresses returns them),
 
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 import torch
@@ -89,7 +91,8 @@ def test_a_mapped_tier_needs_a_served_device(media_dir):
 
 
 @pytest.mark.skipif(_unsupported() is not None, reason=f"chm_mmap unsupported here: {_unsupported()}")
-def test_a_two_area_policy_is_refused_by_name(tmp_path):
-    with Server(tmp_path, None, "--policy", "hymcache", "--format") as srv, libchm.Device(srv.node) as dev:
-        with pytest.raises(libchm.ChmError, match="two DRAM areas"):
-            MappedHostKV(2, 3, 8, 16, dev, dram_bytes=0)
+def test_a_device_that_cannot_be_mapped_is_refused_by_name(tmp_path):
+    with Server(tmp_path, None, "--policy", "lru", "--format", "--set", "emulation.data=false") as srv, \
+            libchm.Device(srv.node) as dev, pytest.raises(libchm.ChmError, match="mmap of .*no bytes") as refused:
+        MappedHostKV(2, 3, 8, 16, dev, dram_bytes=0)
+    assert refused.value.errno == errno.EOPNOTSUPP
