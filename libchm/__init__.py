@@ -390,8 +390,7 @@ class Device:
         if ret == -errno.EOPNOTSUPP:
             why = lib.chm_mmap_unsupported()
             why = ffi.string(why).decode() if why != ffi.NULL else \
-                f"the device cannot be mapped: policy {self.info()['policy']!r} keeps pages in two DRAM areas, " \
-                f"or it moves no bytes (emulation.data off)"
+                "the device moves no bytes (emulation.data is off): there is nothing to map"
             raise ChmError(errno.EOPNOTSUPP, f"mmap of {length} bytes at {addr}: {why}")
         if ret < 0:
             _raise(ret, f"mmap of {length} bytes at {addr}")

@@ -410,7 +410,7 @@ struct chm_dev {
  * area and ready, the read of that page a chm_read makes (counted, no copy), the frame pinned and marked mapped
  * (chm_ft_track_mapped); its device frame, or -1 (nothing done: the server's Python path serves it). */
 int64_t chm_dev_map_hit(struct chm_dev *d, uint64_t addr, double now, double *finish);
-/* The pin of chm_dev_map_hit's frame released (the lease's ack): 0, or a CHM_E_* code. */
+/* The pin of a lease's frame released (its ack; the frame in any area): 0, or a CHM_E_* code. */
 int chm_dev_map_unpin(struct chm_dev *d, uint32_t frame);
 int64_t chm_dev_read_hit(struct chm_dev *d, uint64_t addr, uint64_t len, double now, uint8_t *out,
                          int count_command, double *finish);

@@ -94,7 +94,10 @@ int64_t chm_dev_map_hit(struct chm_dev *d, uint64_t addr, double now, double *fi
 
 int chm_dev_map_unpin(struct chm_dev *d, uint32_t frame)
 {
-    if (d->n_areas != 1 || frame < d->areas[0].base)
-        return CHM_E_ARG;
-    return chm_ft_unpin(d->areas[0].table, frame - d->areas[0].base);
+    for (uint32_t i = 0; i < d->n_areas; i++) {
+        const struct chm_dev_area *a = &d->areas[i];
+        if (frame >= a->base && frame - a->base < a->table->frames)
+            return chm_ft_unpin(a->table, frame - a->base);
+    }
+    return CHM_E_ARG;
 }

@@ -293,9 +293,9 @@ static int serve_map(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct 
             struct chm_srv_lease *ls = &q->leases[i];
             if (ls->id != e->handle || ls->page != e->addr / page_size || ls->expired)
                 continue;
-            uint32_t frame = ls->frame;
+            if (l->map_unpin(l->dev, ls->frame))   /* not pinned: a device bug; Python says so */
+                return 0;
             *ls = q->leases[--q->lease_count];
-            l->map_unpin(l->dev, frame);
             complete(l, q, e->user_data, 0, start, start);
             return 1;
         }

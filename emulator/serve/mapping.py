@@ -88,8 +88,6 @@ class Mapping:
         ctl = self.ctl
         if not ctl.data:
             return "emulation.data is off: the device holds no bytes to map"
-        if len(ctl.policy.areas) != 1:
-            return f"policy {ctl.cfg.policy.name!r} keeps a page in two DRAM areas; chm_mmap needs a one-area policy"
         return None
 
     # ---- the control path ----------------------------------------------------------------
@@ -191,10 +189,7 @@ class Mapping:
         ctl.frames.settle(frame)
         ctl.frames.check_read(frame)
         if write:
-            try:
-                finish = ctl.write(e.addr, None, page_size, finish).finish  # admission, dirty, the flusher's queue
-            except WriteBufferFull as exc:
-                raise ChmError(errno.EAGAIN, str(exc)) from None
+            frame, finish = self._map_write(page, frame, finish)
             self.map_counts["map_write_faults"] += 1
         self.map_counts["map_faults"] += 1
         ctl.policy.pin(frame)
@@ -204,6 +199,27 @@ class Mapping:
             m.writable.add(frame)
             self._writers.setdefault(frame, {})[c.id] = m.vaddr(page, page_size)
         return lease, finish
+
+    def _map_write(self, page: int, frame: int, now: float) -> tuple[int, float]:
+        """A write fault on ``page`` (resident in ``frame``): admitted as a one-page chm_write (write buffer,
+        refusal, dirty, the flusher's queue) of the page's own bytes, so that where the write path gives the
+        page a frame of its own (hymcache's write buffer) it starts with them. Returns the frame the client may
+        write and the finish; the page keeps no second copy that another mapping could go stale on."""
+        ctl, policy, page_size = self.ctl, self.ctl.policy, self.ctl.page
+        data = None if policy.write_lookup(page) == frame else bytes(ctl.frames.view(frame))
+        try:
+            finish = ctl.write(page * page_size, data, page_size, now).finish
+        except WriteBufferFull as exc:
+            raise ChmError(errno.EAGAIN, str(exc)) from None
+        frame = policy.write_lookup(page)
+        copy = policy.read_copy(page)
+        if copy is not None and copy != frame:  # stores through the mapping reach `frame` only: the copy goes
+            if policy.pins(copy):
+                raise ChmError(errno.EBUSY, f"page {page}'s read copy in frame {copy} is pinned (a read or a "
+                                            f"lease holds it): ask again")
+            policy.drop(copy)
+            self._map_punch_dropped()
+        return frame, finish
 
     def _map_ack(self, c: Client, e, start: float) -> tuple[int, float]:
         self._map_of(c, e)

@@ -188,7 +188,9 @@ int     chm_reap(chm_dev *dev, struct chm_completion *out, unsigned max, unsigne
  * policy, timing and statistics), and maps the device's DRAM frame itself over
  * it: no copy. A first write is admitted by the device as a one-page chm_write
  * (dirty, flushed by its flusher) before the store completes; a write the
- * device refuses is retried for $CHM_MAP_WRITE_TIMEOUT_MS (default 10000).
+ * device refuses (its write buffer, or media, full: chm_write's -EAGAIN or
+ * -ENOSPC) holds the storing thread while it is asked again, for at most
+ * $CHM_MAP_WRITE_TIMEOUT_MS (default 10000).
  * When the device reuses a frame, its mapping in every process is withdrawn
  * first, and the next access faults again: never a stale or another page.
  * Statistics count each page's first touch per residency (and first writes);
@@ -198,13 +200,12 @@ int     chm_reap(chm_dev *dev, struct chm_completion *out, unsigned max, unsigne
  * address): the device died or stopped answering for $CHM_MAP_FAULT_TIMEOUT_MS
  * (default 10000; the whole mapping, within ~5 ms of a kill -9), this process
  * was cut off for leaving leases unacknowledged (-EPERM, the whole mapping),
- * a media error (-EIO) or a write refused past the timeout (-EAGAIN), that
- * page only; chm_map_error says which. Syscalls reading the mapping work
+ * a media error (-EIO) or a write refused past the timeout (-EAGAIN,
+ * -ENOSPC), that page only; chm_map_error says which. Syscalls reading the mapping work
  * (the handler thread serves kernel faults too). The mapping is not inherited
  * by fork(); a child touching it gets SIGSEGV.
- * Returns 0, -EOPNOTSUPP (the kernel lacks a userfaultfd feature this needs,
- * or the device keeps pages in two DRAM areas (hymcache) or moves no bytes;
- * chm_mmap_unsupported says why), -EINVAL (flags, alignment, len 0), -ERANGE,
+ * Returns 0, -EOPNOTSUPP (the kernel lacks a userfaultfd feature this needs:
+ * chm_mmap_unsupported says which; or the device moves no bytes), -EINVAL (flags, alignment, len 0), -ERANGE,
  * -ENOMEM, -ENODEV, -EBADF. chm_close unmaps the handle's mappings. */
 #define CHM_MAP_STRICT 1
 int     chm_mmap(chm_dev *dev, void **ptr, unsigned flags);

@@ -216,8 +216,9 @@ static int64_t map_fault(struct chm_map *m, chm_addr addr, int write)
             return ret;
         int64_t res = wait_for(m, e.user_data);
         uint64_t waited = chm_now_ns() - start;
-        if ((res == -EAGAIN && waited < m->write_timeout_ns) || (res == -EBUSY && waited < m->fault_timeout_ns)) {
-            usleep(waited < 1000000 ? 50 : 1000);   /* refused write or every frame leased: ask again */
+        if (((res == -EAGAIN || res == -ENOSPC) && waited < m->write_timeout_ns) ||
+            (res == -EBUSY && waited < m->fault_timeout_ns)) {
+            usleep(waited < 1000000 ? 50 : 1000);   /* write refused (buffer or media full), frame busy: again */
             continue;
         }
         return res;
@@ -269,16 +270,16 @@ static void make_sigbus(struct chm_map *m, char *at, size_t len)
 
 static void fail_page(struct chm_map *m, size_t idx, int err)
 {
-    make_sigbus(m, m->base + idx * m->page, m->page);
+    __atomic_store_n(&m->page_error[idx], err, __ATOMIC_RELEASE);   /* before the access can fail */
     m->frame_of[idx] = DEAD_PAGE;
-    m->page_error[idx] = err;
+    make_sigbus(m, m->base + idx * m->page, m->page);
 }
 
 static void fail_all(struct chm_map *m, int err)
 {
     if (m->error)
         return;
-    m->error = err;
+    __atomic_store_n(&m->error, err, __ATOMIC_RELEASE);
     make_sigbus(m, m->base, m->len);
     for (size_t i = 0; i < m->pages; i++)
         m->frame_of[i] = DEAD_PAGE;
@@ -632,7 +633,7 @@ int chm_map_error(chm_dev *dev, const void *ptr)
         return -EFAULT;
     struct chm_map *m = *p;
     int whole = __atomic_load_n(&m->error, __ATOMIC_ACQUIRE);
-    return whole ? whole : m->page_error[((const char *)ptr - m->base) / m->page];
+    return whole ? whole : __atomic_load_n(&m->page_error[((const char *)ptr - m->base) / m->page], __ATOMIC_ACQUIRE);
 }
 
 int chm_map_populate(chm_dev *dev, const void *ptr, size_t size)

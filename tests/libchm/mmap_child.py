@@ -2,7 +2,8 @@
 stdin, answering one line on stdout each (so the test synchronizes on its answers, never on time).
 
     python -m tests.libchm.mmap_child NODE LENGTH
-    commands: write OFFSET HEX | read OFFSET N | flush | error OFFSET | syscall-read OFFSET | touch OFFSET
+    commands: write OFFSET HEX | read OFFSET N | flush | error OFFSET | syscall-read OFFSET | syscall-write OFFSET
+              | touch OFFSET
               | wait-device-death | quit
 """
 
@@ -45,6 +46,16 @@ def main() -> int:
             r, w = os.pipe()  # a pipe copies the byte (/dev/null would not even read it)
             try:
                 answer = f"wrote {os.write(w, view[int(args[0]): int(args[0]) + 1])}"
+            except OSError as exc:
+                answer = f"errno {exc.errno}"
+            finally:
+                os.close(r)
+                os.close(w)
+        elif cmd == "syscall-write":  # the kernel writes into the mapping (a store fault in kernel mode)
+            r, w = os.pipe()
+            os.write(w, b"\x5a")
+            try:
+                answer = f"read {os.readv(r, [view[int(args[0]): int(args[0]) + 1]])}"
             except OSError as exc:
                 answer = f"errno {exc.errno}"
             finally:

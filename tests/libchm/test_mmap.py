@@ -170,8 +170,32 @@ def test_map_request_fields_are_checked(small):
         assert dev.read(0, 2) == b"ok"
 
 
-def test_a_two_area_policy_is_eopnotsupp_and_says_why(tmp_path):
-    with Server(tmp_path, None, "--format", "--policy", "hymcache") as srv, libchm.Device(srv.path) as dev:
+def test_a_device_without_bytes_is_eopnotsupp_and_says_why(tmp_path):
+    with Server(tmp_path, None, "--set", "emulation.data=false") as srv, libchm.Device(srv.path) as dev:
         with pytest.raises(libchm.ChmError) as exc:
             dev.mmap(0, PAGE)
-        assert exc.value.errno == errno.EOPNOTSUPP
+        assert exc.value.errno == errno.EOPNOTSUPP and "emulation.data is off" in str(exc.value)
+
+
+@pytest.fixture(scope="module")
+def hym(tmp_path_factory):
+    """hymcache: a page written goes to a write-buffer frame of its own, beside its read copy."""
+    with Server(tmp_path_factory.mktemp("media"), None, "--format", "--policy", "hymcache") as srv:
+        yield srv
+
+
+def test_hymcache_a_store_moves_the_page_to_the_write_buffer_and_no_copy_goes_stale(hym):
+    base = 3 << 30
+    with libchm.Device(hym.path) as writer, libchm.Device(hym.path) as reader:
+        writer.write(base, b"A" * PAGE)
+        writer.flush()
+        assert writer.read(base, 4) == b"AAAA"  # staged in the read area
+        seen = reader.mmap(base, 4 * PAGE)
+        assert bytes(seen[0:4]) == b"AAAA"  # the reader maps the read area's frame
+        view = writer.mmap(base, 4 * PAGE)
+        view[1:3] = b"bc"  # the store: a write-buffer frame with the page's bytes, the read copy dropped
+        assert bytes(seen[0:4]) == b"AbcA" and writer.read(base, 4) == b"AbcA"
+        writer.flush()  # flushed: the write-buffer frame is freed, later reads stage the page again
+        assert bytes(seen[0:4]) == b"AbcA" and bytes(view[0:4]) == b"AbcA"
+        view[3:4] = b"d"
+        assert reader.read(base, 4) == b"Abcd"

@@ -124,3 +124,23 @@ def _kill_device_under(srv: Server) -> None:
         assert child.proc.wait() == -signal.SIGBUS
     finally:
         child.close()
+
+
+def test_a_store_the_device_refuses_past_the_timeout_is_sigbus(tmp_path):
+    media_full = ("--set", "faults.errno=ENOSPC", "--set", "faults.ops=write", "--set", "faults.first_failing_op=1",
+                  "--set", "faults.failing_ops=1000000")
+    with Server(tmp_path, None, "--format", "--drain-timeout", "0", *SMALL_DRAM, *media_full) as srv:
+        child = Child(srv.node, CHM_MAP_WRITE_TIMEOUT_MS="200")
+        try:
+            assert child.ask(f"write {PAGE} 11") == "ok"  # admitted: nothing has failed yet
+            with libchm.Device(srv.path) as dev:
+                with pytest.raises(libchm.ChmError) as exc:
+                    dev.flush()  # the media are full: from now on the device refuses writes (ENOSPC)
+                assert exc.value.errno == errno.ENOSPC
+            assert child.ask(f"read {PAGE} 1") == "11"  # loads are still served
+            assert child.ask(f"syscall-write {3 * PAGE}") == f"errno {errno.EFAULT}"  # held 200 ms, then refused
+            assert child.ask(f"error {3 * PAGE}") == str(-errno.ENOSPC) and child.ask(f"error {PAGE}") == "0"
+            child.send(f"write {5 * PAGE} 22")
+            assert child.proc.wait() == -signal.SIGBUS  # a plain store gets SIGBUS
+        finally:
+            child.close()

@@ -1,4 +1,4 @@
-"""The kernel probe of chm_mmap (docs/mmap-design.md): tools/mmap_probe/, built with cc and run.
+"""The kernel probe of chm_mmap (docs/mmap.md): tools/mmap_probe/, built with cc and run.
 
 Each check the design relies on must pass where the kernel has it; where it lacks a feature the test skips,
 naming it. A check the probe runs but that fails on a kernel that has the feature is a failure.
@@ -16,7 +16,7 @@ PROBE_DIR = ROOT / "tools" / "mmap_probe"
 SOURCES = ("uffd_probe.c", "probe_common.c", "probe_costs.c")
 LINE = re.compile(r"^(?P<name>\w+): (?P<state>ok|missing)(?: \(errno (?P<errno>\d+): [^)]*\))?(?P<detail>.*)$")
 
-# The kernel features the design needs (docs/mmap-design.md, "Mechanism"); without one, chm_mmap is -EOPNOTSUPP.
+# The kernel features the design needs (docs/mmap.md, "Mechanism"); without one, chm_mmap is -EOPNOTSUPP.
 FEATURES = ("feature_MISSING_SHMEM", "feature_MINOR_SHMEM", "feature_SIGBUS", "feature_WP_HUGETLBFS_SHMEM")
 # What the design does with them; each is run only where the features above are there.
 BEHAVIOURS = ("register_missing_anon", "map_frame_on_fault", "withdraw_refaults", "punch_traps_minor",

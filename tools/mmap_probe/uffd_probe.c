@@ -1,5 +1,5 @@
 /*
- * uffd_probe -- does this kernel allow what docs/mmap-design.md (chm_mmap) relies on?
+ * uffd_probe -- does this kernel allow what docs/mmap.md (chm_mmap) relies on?
  *
  * One line per check: "name: ok <detail>" or "name: missing (errno N: text) <detail>". Nothing here needs
  * a device: a memfd stands in for the device's DRAM region (frames of FRAME bytes), and the probe's own
