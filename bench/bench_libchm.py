@@ -54,6 +54,7 @@ WITHDRAW_GOAL_MS = 100.0
 MAP_DEVICE = ("--policy", "lru", "--set", "dram.size_bytes=33554432", "--set", "policy.prefetch_window_bytes=4194304")
 MAP_PAGES = 256
 MAP_CASES = ("hit_seq", "hit_rand", "miss_seq", "miss_rand")
+CUT_OFF_LEASE_MS = 100  # chm serve's default --map-lease-ms
 
 
 def _goal(met: bool) -> str:
@@ -99,8 +100,10 @@ def _map_cases(work: Path, node: str, exe: Path, rounds: int, deaths: int) -> di
     try:
         lines = {r["what"]: r for r in _run_json([str(exe), "touch", node + "-map", str(MAP_PAGES), str(rounds)])}
         resident = _run_json([str(exe), "resident", node + "-map", str(16 << 20), "20"])[0]
+        scan = _run_json([str(exe), "scan", node + "-map", str(MAP_PAGES), str(max(3, rounds))])[0]
     finally:
         serve.stop()
+    cut_off_ms = _cut_off_ms(work, node, exe)
     withdrawn = []
     for i in range(deaths):  # a device of its own each time, killed under a client holding a mapping
         victim = _Serve(work / f"media-death{i}", f"{node}-death{i}", *MAP_DEVICE)
@@ -119,9 +122,36 @@ def _map_cases(work: Path, node: str, exe: Path, rounds: int, deaths: int) -> di
     cases = {case: {"read": lines[case + "_read"], "map": lines[case + "_map"],
                     "x_read": lines[case + "_map"]["p50_ns"] / max(1, lines[case + "_read"]["p50_ns"])}
              for case in MAP_CASES}
-    return {"first_touch": cases, "stats": lines["stats"], "resident": resident,
+    return {"first_touch": cases, "stats": lines["stats"], "resident": resident, "scan": scan,
+            "cut_off_ms": cut_off_ms, "lease_ms": CUT_OFF_LEASE_MS,
             "resident_share": resident["mapped_gbps"] / resident["memcpy_gbps"],
             "withdrawn_ms": withdrawn, "withdrawn_ms_median": statistics.median(withdrawn) if withdrawn else None}
+
+
+def _cut_off_ms(work: Path, node: str, exe: Path) -> float:
+    """A client that stops (SIGSTOP, holding a lease) until the device has cut it off: ms from its stop."""
+    import libchm
+
+    name = node + "-stall"
+    serve = _Serve(work / "media-stall", name, *MAP_DEVICE, "--map-lease-ms", str(CUT_OFF_LEASE_MS),
+                   "--map-max-expired", "1")
+    client = subprocess.Popen([str(exe), "stall", name], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "CHM_MAP_TEST_STALL_AT": "1"})
+    try:
+        if client.stdout.readline().strip() != "ready":
+            raise RuntimeError("bench_map stall did not get ready")
+        stat = Path(f"/proc/{client.pid}/stat")
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":  # stopped in its fault, lease held
+            time.sleep(0.0002)
+        stopped = time.monotonic()
+        with libchm.Device(name) as dev:
+            while dev.stats()["map_clients_cut_off"] == 0:
+                time.sleep(0.0005)
+            return (time.monotonic() - stopped) * 1e3
+    finally:
+        client.kill()
+        client.wait()
+        serve.stop()
 
 
 def _print_map(mapped: dict, rounds: int) -> None:
@@ -136,6 +166,11 @@ def _print_map(mapped: dict, rounds: int) -> None:
     print(f"    resident mapped pages, 16 MiB memcpy: {res['mapped_gbps']:.2f} GB/s, private memory "
           f"{res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%}; "
           f"{_goal(mapped['resident_share'] >= RESIDENT_GOAL)}: >= {RESIDENT_GOAL:.0%})")
+    scan = mapped["scan"]
+    print(f"    scan of {scan['pages']} resident pages, whole-page reads: chm_read {scan['read_gbps']:.2f} GB/s, "
+          f"fresh mapping {scan['map_gbps']:.2f} GB/s, CHM_MAP_STRICT {scan['strict_gbps']:.2f} GB/s")
+    print(f"    a client stopped holding a lease (--map-lease-ms {mapped['lease_ms']}, --map-max-expired 1): cut off "
+          f"{mapped['cut_off_ms']:.1f} ms after it stopped")
     ms = mapped["withdrawn_ms_median"]
     if ms is not None:
         print(f"    kill -9 of the device -> mapping withdrawn (SIGBUS): median {ms:.2f} ms of "
@@ -154,6 +189,12 @@ def _map_rows(mapped: dict) -> list[tuple[str, str, str, str]]:
     rows.append(("16 MiB memcpy out of resident mapped pages", f"{res['mapped_gbps']:.2f} GB/s",
                  f"memcpy of private memory {res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%})",
                  f"≥ {RESIDENT_GOAL:.0%}"))
+    scan = mapped["scan"]
+    rows.append((f"scan of {scan['pages']} resident pages (whole-page reads): fresh mapping / CHM_MAP_STRICT",
+                 f"{scan['map_gbps']:.2f} / {scan['strict_gbps']:.2f} GB/s", f"chm_read {scan['read_gbps']:.2f} GB/s",
+                 "the cost of strict counts"))
+    rows.append(("client stopped holding a lease → cut off", f"{mapped['cut_off_ms']:.1f} ms",
+                 f"--map-lease-ms {mapped['lease_ms']}, --map-max-expired 1", "within the lease bound"))
     if mapped["withdrawn_ms_median"] is not None:
         rows.append(("device kill -9 → client's mapping withdrawn (SIGBUS)",
                      f"{mapped['withdrawn_ms_median']:.2f} ms (median of {len(mapped['withdrawn_ms'])})", "",

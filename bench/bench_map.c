@@ -7,6 +7,10 @@
  *   bench_map resident NODE BYTES REPS  memcpy out of resident mapped pages against memcpy of private memory
  *   bench_map death NODE                map, touch, say "ready", then time from the device's death (its
  *                                       pidfd) to the mapping's withdrawal (chm_map_error)
+ *   bench_map scan NODE PAGES ROUNDS    whole-page reads of PAGES resident pages: chm_read, a fresh default
+ *                                       mapping, a fresh CHM_MAP_STRICT mapping (GB/s, medians of the rounds)
+ *   bench_map stall NODE                map, say "ready", touch a page: with $CHM_MAP_TEST_STALL_AT=1 the
+ *                                       process stops itself holding that lease (the bench times the cut-off)
  *
  * The device must have a one-area policy (lru) whose read area holds PAGES pages (hits) but not 2*PAGES (a
  * read of the churn region [PAGES, 3*PAGES) then evicts the pages measured, [0, PAGES): misses).
@@ -199,14 +203,83 @@ static int run_death(const char *node)
     return 0;
 }
 
+static int run_scan(const char *node, uint64_t n, int rounds)
+{
+    chm_dev *dev;
+    int ret = chm_open(node, &dev);
+    if (ret < 0)
+        die("chm_open", ret);
+    struct chm_info info;
+    chm_get_info(dev, &info);
+    page_size = info.page_size;
+    char *buf = malloc(page_size);
+    uint64_t *t[3];
+    for (int k = 0; k < 3; k++)
+        t[k] = malloc(rounds * sizeof(uint64_t));
+    for (int round = 0; round < rounds; round++) {
+        for (int k = 0; k < 3; k++) {   /* chm_read, default mapping, strict mapping: in turn */
+            warm(dev, 0, n);
+            void *base = NULL;
+            if (k && (ret = chm_mmap_range(dev, 0, n * page_size, &base, k == 2 ? CHM_MAP_STRICT : 0)) < 0)
+                die("chm_mmap_range", ret);
+            uint64_t t0 = now_ns();
+            for (uint64_t p = 0; p < n; p++) {
+                if (!k) {
+                    ssize_t r = chm_read(dev, p * page_size, buf, page_size);
+                    if (r < 0)
+                        die("chm_read", r);
+                } else {
+                    memcpy(buf, (char *)base + p * page_size, page_size);
+                    __asm__ __volatile__("" : : "r"(buf) : "memory");
+                }
+            }
+            t[k][round] = now_ns() - t0;
+            if (k)
+                chm_munmap(dev, base);
+        }
+    }
+    static const char *names[3] = { "read", "map", "strict" };
+    printf("{\"what\": \"scan\", \"pages\": %llu, \"page_size\": %llu", (unsigned long long)n,
+           (unsigned long long)page_size);
+    for (int k = 0; k < 3; k++) {
+        qsort(t[k], rounds, sizeof(uint64_t), cmp_u64);
+        printf(", \"%s_gbps\": %.3f", names[k], (double)(n * page_size) / (double)t[k][rounds / 2]);
+    }
+    printf("}\n");
+    chm_close(dev);
+    return 0;
+}
+
+static int run_stall(const char *node)
+{
+    chm_dev *dev;
+    int ret = chm_open(node, &dev);
+    if (ret < 0)
+        die("chm_open", ret);
+    struct chm_info info;
+    chm_get_info(dev, &info);
+    void *base;
+    if ((ret = chm_mmap_range(dev, 0, info.page_size, &base, 0)) < 0)
+        die("chm_mmap_range", ret);
+    printf("ready\n");
+    fflush(stdout);
+    (void)*(volatile char *)base;   /* its lease: the handler stops the process before acknowledging it */
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 5 && !strcmp(argv[1], "scan"))
+        return run_scan(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]));
+    if (argc == 3 && !strcmp(argv[1], "stall"))
+        return run_stall(argv[2]);
     if (argc == 5 && !strcmp(argv[1], "touch"))
         return run_touch(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]));
     if (argc == 5 && !strcmp(argv[1], "resident"))
         return run_resident(argv[2], strtoull(argv[3], NULL, 0), atoi(argv[4]));
     if (argc == 3 && !strcmp(argv[1], "death"))
         return run_death(argv[2]);
-    fprintf(stderr, "usage: %s touch NODE PAGES ROUNDS | resident NODE BYTES REPS | death NODE\n", argv[0]);
+    fprintf(stderr, "usage: %s touch NODE PAGES ROUNDS | resident NODE BYTES REPS | death NODE | scan NODE PAGES ROUNDS"
+            " | stall NODE\n", argv[0]);
     return 2;
 }
