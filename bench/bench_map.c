@@ -27,20 +27,9 @@
 
 #include <chm.h>
 
+#include "bench_clock.h"
+
 #define BLOCK 4096
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
 
 static void die(const char *what, long err)
 {
@@ -50,6 +39,17 @@ static void die(const char *what, long err)
 
 static uint64_t page_size;
 static char block[BLOCK];
+
+/* Open the device (exit on failure) and fill *info. */
+static chm_dev *open_dev(const char *node, struct chm_info *info)
+{
+    chm_dev *dev;
+    int ret = chm_open(node, &dev);
+    if (ret < 0)
+        die("chm_open", ret);
+    chm_get_info(dev, info);
+    return dev;
+}
 
 /* Every page of [first, first+n) read once by chm_read: resident (hits next), the ones before evicted. */
 static void warm(chm_dev *dev, uint64_t first, uint64_t n)
@@ -101,12 +101,8 @@ static void print_p(const char *what, uint64_t *v, uint64_t n)
 
 static int run_touch(const char *node, uint64_t n, int rounds)
 {
-    chm_dev *dev;
-    int ret = chm_open(node, &dev);
-    if (ret < 0)
-        die("chm_open", ret);
     struct chm_info info;
-    chm_get_info(dev, &info);
+    chm_dev *dev = open_dev(node, &info);
     page_size = info.page_size;
     uint64_t per_page = page_size / BLOCK;
     uint64_t *order = malloc(n * sizeof *order), *seq = malloc(n * sizeof *seq);
@@ -146,10 +142,9 @@ static int run_touch(const char *node, uint64_t n, int rounds)
 
 static int run_resident(const char *node, size_t bytes, int reps)
 {
-    chm_dev *dev;
-    int ret = chm_open(node, &dev);
-    if (ret < 0)
-        die("chm_open", ret);
+    struct chm_info info;
+    chm_dev *dev = open_dev(node, &info);
+    int ret;
     void *base;
     if ((ret = chm_mmap_range(dev, 0, bytes, &base, 0)) < 0)
         die("chm_mmap_range", ret);
@@ -179,12 +174,9 @@ static int run_resident(const char *node, size_t bytes, int reps)
 
 static int run_death(const char *node)
 {
-    chm_dev *dev;
-    int ret = chm_open(node, &dev);
-    if (ret < 0)
-        die("chm_open", ret);
     struct chm_info info;
-    chm_get_info(dev, &info);
+    chm_dev *dev = open_dev(node, &info);
+    int ret;
     void *base;
     if ((ret = chm_mmap_range(dev, 0, info.page_size * 4, &base, 0)) < 0)
         die("chm_mmap_range", ret);
@@ -205,12 +197,9 @@ static int run_death(const char *node)
 
 static int run_scan(const char *node, uint64_t n, int rounds)
 {
-    chm_dev *dev;
-    int ret = chm_open(node, &dev);
-    if (ret < 0)
-        die("chm_open", ret);
     struct chm_info info;
-    chm_get_info(dev, &info);
+    chm_dev *dev = open_dev(node, &info);
+    int ret;
     page_size = info.page_size;
     char *buf = malloc(page_size);
     uint64_t *t[3];
@@ -252,12 +241,9 @@ static int run_scan(const char *node, uint64_t n, int rounds)
 
 static int run_stall(const char *node)
 {
-    chm_dev *dev;
-    int ret = chm_open(node, &dev);
-    if (ret < 0)
-        die("chm_open", ret);
     struct chm_info info;
-    chm_get_info(dev, &info);
+    chm_dev *dev = open_dev(node, &info);
+    int ret;
     void *base;
     if ((ret = chm_mmap_range(dev, 0, info.page_size, &base, 0)) < 0)
         die("chm_mmap_range", ret);

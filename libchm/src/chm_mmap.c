@@ -71,14 +71,11 @@ struct chm_map {
 
 static char unsupported_why[160];
 
+/* A positive $name in ms, else fallback. */
 static uint64_t env_ms(const char *name, uint64_t fallback)
 {
-    const char *s = getenv(name);
-    if (!s || !*s)
-        return fallback;
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    return *end || v == 0 ? fallback : (uint64_t)v;
+    uint64_t v = env_u64(name, fallback);
+    return v ? v : fallback;
 }
 
 /* ---- kernel support ---------------------------------------------------------------------------- */
@@ -601,7 +598,8 @@ static struct chm_map **find(chm_dev *dev, const void *ptr, int inside)
     return NULL;
 }
 
-int chm_munmap(chm_dev *dev, void *ptr)
+/* Take the mapping at ptr off dev's list and free it (unmapping its addresses, or leaving them SIGBUS). */
+static int map_end(chm_dev *dev, void *ptr, int unmap)
 {
     CHECK_DEV(dev);
     struct chm_map **p = find(dev, ptr, 0);
@@ -609,20 +607,18 @@ int chm_munmap(chm_dev *dev, void *ptr)
         return -EINVAL;
     struct chm_map *m = *p;
     *p = m->next;
-    map_free(m, 1);
+    map_free(m, unmap);
     return 0;
+}
+
+int chm_munmap(chm_dev *dev, void *ptr)
+{
+    return map_end(dev, ptr, 1);
 }
 
 int chm_map_revoke(chm_dev *dev, void *ptr)
 {
-    CHECK_DEV(dev);
-    struct chm_map **p = find(dev, ptr, 0);
-    if (!p)
-        return -EINVAL;
-    struct chm_map *m = *p;
-    *p = m->next;
-    map_free(m, 0);
-    return 0;
+    return map_end(dev, ptr, 0);
 }
 
 int chm_map_error(chm_dev *dev, const void *ptr)

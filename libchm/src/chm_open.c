@@ -44,7 +44,7 @@ static int resolve_path(const char *path, char *out, size_t outlen)
     return 0;
 }
 
-static uint64_t env_u64(const char *name, uint64_t fallback)
+uint64_t env_u64(const char *name, uint64_t fallback)
 {
     const char *s = getenv(name);
     if (!s || !*s)

@@ -79,6 +79,9 @@ int64_t run_cmd(chm_dev *d, struct chm_sqe *e);
 int in_staging(const chm_dev *d, const void *buf, size_t len, uint64_t *offset);
 int check_range(const chm_dev *d, chm_addr addr, size_t len);
 
+/* chm_open.c: $name as a number, or fallback when unset, empty or not a number */
+uint64_t env_u64(const char *name, uint64_t fallback);
+
 /* chm_mmap.c */
 void maps_close(chm_dev *d);   /* chm_close: unmap every mapping of the handle */
 

@@ -17,6 +17,19 @@ import time
 import libchm
 
 
+def through_a_pipe(use) -> str:
+    """``use(r, w)`` on a fresh pipe (a pipe copies its bytes; /dev/null would not even read them), or the
+    errno it failed with."""
+    r, w = os.pipe()
+    try:
+        return use(r, w)
+    except OSError as exc:
+        return f"errno {exc.errno}"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def main() -> int:
     node, length = sys.argv[1], int(sys.argv[2])
     dev = libchm.Device(node)
@@ -43,24 +56,10 @@ def main() -> int:
         elif cmd == "error":
             answer = str(dev.map_error(base + int(args[0])))
         elif cmd == "syscall-read":  # the kernel reads the mapping: EFAULT instead of SIGBUS
-            r, w = os.pipe()  # a pipe copies the byte (/dev/null would not even read it)
-            try:
-                answer = f"wrote {os.write(w, view[int(args[0]): int(args[0]) + 1])}"
-            except OSError as exc:
-                answer = f"errno {exc.errno}"
-            finally:
-                os.close(r)
-                os.close(w)
+            answer = through_a_pipe(lambda r, w: f"wrote {os.write(w, view[int(args[0]): int(args[0]) + 1])}")
         elif cmd == "syscall-write":  # the kernel writes into the mapping (a store fault in kernel mode)
-            r, w = os.pipe()
-            os.write(w, b"\x5a")
-            try:
-                answer = f"read {os.readv(r, [view[int(args[0]): int(args[0]) + 1]])}"
-            except OSError as exc:
-                answer = f"errno {exc.errno}"
-            finally:
-                os.close(r)
-                os.close(w)
+            answer = through_a_pipe(lambda r, w: os.write(w, b"\x5a") and
+                                    f"read {os.readv(r, [view[int(args[0]): int(args[0]) + 1]])}")
         elif cmd == "wait-device-death":  # the device's pidfd, then how long until the mapping was withdrawn
             pidfd = os.pidfd_open(server_pid)
             select.select([pidfd], [], [])
