@@ -1,7 +1,8 @@
 """HybridGen with its CXL-resident V rows as a tensor over a mapping of a real `chm serve` (``v_tier="mapped"``)
 decodes SmolLM2-135M exactly as the explicit-read baseline does: same tokens, same logits bit for bit. The
 rows really live on the device (a ``chm_read`` of their addresses returns them), they got there by stores
-(the device counts the mapping's write faults), and layer i+1's rows were prefetched by pointer."""
+(the device counts the mapping's write faults), layer i+1's rows were prefetched by pointer, and the
+device's DRAM (16 frames) is smaller than the rows, so pages leave it and loads fault them back in."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def _unsupported():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with Server(tmp_path_factory.mktemp("media"), None, "--policy", "lru", "--format") as srv:
+    """1 MiB of device DRAM (16 pages) under ~3 MiB of K and V rows: evictions, read faults, punches."""
+    with Server(tmp_path_factory.mktemp("media"), None, "--policy", "lru", "--format", "--set",
+                f"dram.size_bytes={1 << 20}", "--set", f"policy.prefetch_window_bytes={256 << 10}") as srv:
         yield srv
 
 
@@ -69,7 +72,9 @@ def test_mapped_v_rows_decode_as_explicit_reads(smol, served):  # noqa: F811
             assert np.array_equal(np.frombuffer(raw, np.float32).reshape(n, -1), host.v_dram[layer, 0, :n].numpy())
             assert torch.equal(host.v_cxl[layer, 0, :n], host.v_dram[layer, 0, :n])
         after = dev.stats()
-        assert after["map_write_faults"] > before["map_write_faults"]  # spilled by stores, a fault per page
+        faults = {k: after[k] - before[k] for k in ("map_faults", "map_write_faults", "map_punches")}
+        assert faults["map_write_faults"] > 0  # spilled by stores, a fault per page
+        assert faults["map_faults"] > faults["map_write_faults"] and faults["map_punches"] > 0  # evicted, re-read
         assert after["prefetches"] > before["prefetches"]
     assert got_tokens == want_tokens, f"mapped V decoded {got_tokens}, explicit reads {want_tokens}"
     assert torch.equal(got_logits, want_logits)
