@@ -149,11 +149,13 @@ int chm_srv_check(const struct chm_sqe *e, uint64_t capacity, uint64_t staging_b
     const uint8_t op = e->opcode;
     if (op == 0 || op > CHM_OP_MAX)
         BAD(CHM_SQE_OPCODE, EINVAL);
-    const uint8_t flags_allowed = op == CHM_OP_WAIT ? CHM_WAIT_LOOK
-                                : op == CHM_OP_MAP_FAULT ? CHM_FAULT_WRITE
-                                : op == CHM_OP_MAP_ACK ? CHM_ACK_FAILED : 0;
-    if (e->flags & ~flags_allowed)
-        BAD(CHM_SQE_FLAGS, EINVAL);
+    if (e->flags) {                         /* the rare case: which flags does this opcode allow? */
+        const uint8_t allowed = op == CHM_OP_WAIT ? CHM_WAIT_LOOK
+                              : op == CHM_OP_MAP_FAULT ? CHM_FAULT_WRITE
+                              : op == CHM_OP_MAP_ACK ? CHM_ACK_FAILED : 0;
+        if (e->flags & ~allowed)
+            BAD(CHM_SQE_FLAGS, EINVAL);
+    }
     if (e->rsvd0)
         BAD(CHM_SQE_RSVD0, EINVAL);
     if (e->rsvd1)
