@@ -133,7 +133,9 @@ def run_env() -> dict[str, str]:
 
     return dict(os.environ,
                 LD_PRELOAD=prepend("LD_PRELOAD", f"{runtime('libasan.so')} {UBSAN_ROUTE}", " "),
-                ASAN_OPTIONS=f"detect_leaks=0:halt_on_error=1:log_path={REPORTS}/asan",
+                # handle_sigbus=0: SIGBUS is chm_mmap's documented answer to an access it cannot serve (the
+                # tests expect the process to die of it), not a memory error of ours
+                ASAN_OPTIONS=f"detect_leaks=0:halt_on_error=1:handle_sigbus=0:log_path={REPORTS}/asan",
                 UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
                 CHM_UBSAN_LOG_PATH=f"{REPORTS}/ubsan", CHM_UBSAN_RUNTIME=runtime("libubsan.so"),
                 LD_LIBRARY_PATH=prepend("LD_LIBRARY_PATH", str(LIBDIR), ":"),
