@@ -208,6 +208,18 @@ int chm_srv_check(const struct chm_sqe *e, uint64_t capacity, uint64_t staging_b
 #undef BAD
 }
 
+/* server.py's _complete, without pacing (the C loop never paces) */
+static void complete(struct chm_srv_loop *l, struct chm_srv_qp *q, uint64_t user_data, int64_t res, double start,
+                     double finish)
+{
+    q->commands++;
+    q->clock = finish;
+    if (finish > l->floor)
+        l->floor = finish;
+    int64_t latency = (int64_t)(finish - start);
+    chm_srv_post(q, user_data, res, latency > 0 ? (uint64_t)latency : 0, (uint64_t)finish);
+}
+
 /* Serve e here if it is a DRAM-hit read that needs nothing of Python; 1 if it was (completion posted). */
 static int serve_hit(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct chm_sqe *e)
 {
@@ -220,13 +232,7 @@ static int serve_hit(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct 
     if (!(start < l->quiet_until) ||
         l->read_hit(l->dev, e->addr, e->len, start, q->staging + e->buf_offset, 1, &finish) <= 0)
         return 0;
-    q->commands++;
-    /* server.py's _complete */
-    q->clock = finish;
-    if (finish > l->floor)
-        l->floor = finish;
-    int64_t latency = (int64_t)(finish - start);
-    chm_srv_post(q, e->user_data, (int64_t)e->len, latency > 0 ? (uint64_t)latency : 0, (uint64_t)finish);
+    complete(l, q, e->user_data, (int64_t)e->len, start, finish);
     l->hits++;
     return 1;
 }
@@ -241,29 +247,30 @@ int64_t chm_srv_lease_add(struct chm_srv_qp *q, uint32_t frame, uint64_t page, u
     return id;
 }
 
-int chm_srv_lease_take(struct chm_srv_qp *q, int64_t id, uint64_t page, uint32_t *frame, uint32_t *expired)
+/* The client's lease id for page, or NULL. */
+static struct chm_srv_lease *lease_find(struct chm_srv_qp *q, int64_t id, uint64_t page)
 {
     for (uint32_t i = 0; i < q->lease_count; i++) {
-        if (q->leases[i].id == id && q->leases[i].page == page) {
-            *frame = q->leases[i].frame;
-            *expired = q->leases[i].expired;
-            q->leases[i] = q->leases[--q->lease_count];
-            return 0;
-        }
+        if (q->leases[i].id == id && q->leases[i].page == page)
+            return &q->leases[i];
     }
-    return -ENOENT;
+    return NULL;
 }
 
-/* server.py's _complete, without pacing (the C loop never paces) */
-static void complete(struct chm_srv_loop *l, struct chm_srv_qp *q, uint64_t user_data, int64_t res, double start,
-                     double finish)
+static void lease_remove(struct chm_srv_qp *q, struct chm_srv_lease *ls)
 {
-    q->commands++;
-    q->clock = finish;
-    if (finish > l->floor)
-        l->floor = finish;
-    int64_t latency = (int64_t)(finish - start);
-    chm_srv_post(q, user_data, res, latency > 0 ? (uint64_t)latency : 0, (uint64_t)finish);
+    *ls = q->leases[--q->lease_count];
+}
+
+int chm_srv_lease_take(struct chm_srv_qp *q, int64_t id, uint64_t page, uint32_t *frame, uint32_t *expired)
+{
+    struct chm_srv_lease *ls = lease_find(q, id, page);
+    if (!ls)
+        return -ENOENT;
+    *frame = ls->frame;
+    *expired = ls->expired;
+    lease_remove(q, ls);
+    return 0;
 }
 
 /* Serve e here if it is a MAP_FAULT read of a page in DRAM, ready, or the MAP_ACK of a live lease; 1 if it
@@ -291,16 +298,12 @@ static int serve_map(struct chm_srv_loop *l, struct chm_srv_qp *q, const struct 
         return 1;
     }
     if (e->opcode == CHM_OP_MAP_ACK && e->addr % page_size == 0) {
-        for (uint32_t i = 0; i < q->lease_count; i++) {
-            struct chm_srv_lease *ls = &q->leases[i];
-            if (ls->id != e->handle || ls->page != e->addr / page_size || ls->expired)
-                continue;
-            if (l->map_unpin(l->dev, ls->frame))   /* not pinned: a device bug; Python says so */
-                return 0;
-            *ls = q->leases[--q->lease_count];
-            complete(l, q, e->user_data, 0, start, start);
-            return 1;
-        }
+        struct chm_srv_lease *ls = lease_find(q, e->handle, e->addr / page_size);
+        if (!ls || ls->expired || l->map_unpin(l->dev, ls->frame))  /* expired: -ETIMEDOUT; not pinned: a bug */
+            return 0;                                                /* both mapping.py's to answer */
+        lease_remove(q, ls);
+        complete(l, q, e->user_data, 0, start, start);
+        return 1;
     }
     return 0;
 }

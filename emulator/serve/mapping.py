@@ -162,6 +162,7 @@ class Mapping:
                 raise MemoryError("chm_mmap: no memory for the frame table's mapping state")
             tables.append((area.base, t, core_lib.chm_ft_mapped(t)))
         self._map_tables = tables
+        self._mapped_by_base = {base: mapped for base, _, mapped in tables}
         frames = self.ctl.frames
         frames.before_snapshot, frames.before_reuse = self._map_quiesce, self._map_reused
 
@@ -180,7 +181,6 @@ class Mapping:
         if c.srv.lease_count >= c.srv.lease_cap:
             raise ChmError(errno.EBUSY, f"client {c.id} holds {c.srv.lease_count} leases, as many as its ring holds")
         write = bool(e.flags & lib.CHM_FAULT_WRITE)
-        self._map_punch_dropped()
         finish = ctl.read(e.addr, page_size, start).finish  # the access a chm_read of the page makes
         page = e.addr // page_size
         frame = ctl.policy.lookup(page)
@@ -241,10 +241,8 @@ class Mapping:
         return m
 
     def _map_mark(self, frame: int) -> None:
-        for base, _, mapped in reversed(self._map_tables):
-            if frame >= base:
-                mapped[frame - base] = 1
-                return
+        base = self.ctl.policy.area_of(frame).base
+        self._mapped_by_base[base][frame - base] = 1
 
     # ---- timers --------------------------------------------------------------------------
     def _map_leases(self):
