@@ -36,16 +36,22 @@ CASES = {  # name: options; K and strategy pinned, rows spilled into the CXL tie
 }
 
 
-def decode(model, opts, prompts, continuations):
-    """Prefill, then feed ``continuations`` [B][STEPS] token by token: logits [STEPS + 1, B, vocab]."""
+def decode(model, opts, prompts, continuations, decoding: dict | None = None):
+    """Prefill, then feed ``continuations`` [B][STEPS] token by token: logits [STEPS + 1, B, vocab].
+    ``decoding["on"]`` is True during the steps (``rowwise_dense`` splits only those)."""
+    decoding = {} if decoding is None else decoding
     with Engine(model, opts) as eng:
         out = [eng.prefill_batch([torch.tensor(p) for p in prompts])]
-        for i in range(STEPS):
-            out.append(eng.step_batch([c[i] for c in continuations]))
+        decoding["on"] = True
+        try:
+            for i in range(STEPS):
+                out.append(eng.step_batch([c[i] for c in continuations]))
+        finally:
+            decoding["on"] = False
     return torch.stack(out)
 
 
-def batch_and_alone(model_and_tokenizer, case: str):
+def batch_and_alone(model_and_tokenizer, case: str, decoding: dict | None = None):
     """(sequence b, its logits decoded in the ragged batch, its logits decoded alone) for each sequence."""
     model, tok = model_and_tokenizer
     ids = tok.encode(long_english_text())
@@ -53,9 +59,9 @@ def batch_and_alone(model_and_tokenizer, case: str):
     continuations = [ids[100 * b + n:100 * b + n + STEPS] for b, n in enumerate(LENGTHS)]
     base = {"resident_budget": 8, "layer_ahead": False, "host_dram_bytes": 30 * ROW_BYTES_ALL_LAYERS, "capacity": 72,
             **CASES[case]}
-    batched = decode(model, EngineOptions(batch=len(LENGTHS), **base), prompts, continuations)
+    batched = decode(model, EngineOptions(batch=len(LENGTHS), **base), prompts, continuations, decoding)
     for b in range(len(LENGTHS)):
-        alone = decode(model, EngineOptions(batch=1, **base), prompts[b:b + 1], continuations[b:b + 1])
+        alone = decode(model, EngineOptions(batch=1, **base), prompts[b:b + 1], continuations[b:b + 1], decoding)
         yield b, batched[:, b], alone[:, 0]
 
 
@@ -97,15 +103,18 @@ def test_generate_command_decodes_a_batch(smol, monkeypatch, capsys):  # noqa: F
     assert all(s["batch"] == 3 for s in out["steps"])
 
 
-def rowwise_dense(monkeypatch):
-    """Run the model's dense layers (projections, MLP, LM head) one row at a time: each row then goes through
-    the same fp32 GEMM, summing in the same order, as in a single-sequence run."""
+def rowwise_dense(monkeypatch) -> dict:
+    """Run the model's dense layers (projections, MLP, LM head) one row at a time while decoding (the returned
+    dict's "on", which ``decode`` sets): each row then goes through the same fp32 GEMM, summing in the same
+    order, as in a single-sequence run. The prompt passes are one sequence at a time in both runs already."""
     from host_runtime.hybridgen.model import SmolLM2
+
+    decoding = {"on": False}
 
     def per_row(fn, cat_dim, row_args):
         def run(self, *args):
             n = next(a for a in args if isinstance(a, torch.Tensor)).shape[0]  # x: [B, D]
-            if n == 1:
+            if n == 1 or not decoding["on"]:
                 return fn(self, *args)
             parts = [fn(self, *row_args(*args, i=i)) for i in range(n)]
             if isinstance(parts[0], tuple):
@@ -117,6 +126,7 @@ def rowwise_dense(monkeypatch):
     monkeypatch.setattr(SmolLM2, "query", per_row(SmolLM2.query, 1, lambda l, x, pos, i: (l, x[i:i + 1], pos[i:i + 1])))
     monkeypatch.setattr(SmolLM2, "finish", per_row(SmolLM2.finish, 0, lambda l, x, a, i: (l, x[i:i + 1], a[:, i:i + 1])))
     monkeypatch.setattr(SmolLM2, "lm_head", per_row(SmolLM2.lm_head, 0, lambda x, i: (x[i:i + 1],)))
+    return decoding
 
 
 # the methods whose attention is over a selection of K rows (no padding inside a sequence's attention)
@@ -129,7 +139,7 @@ def test_batch_logits_equal_independent_runs_with_rowwise_dense_layers(smol, mon
     logits equal the single-sequence runs' to 1e-5 (bit for bit here), so the batching itself — padding,
     masks, per-sequence selector state, placement and eviction per sequence — is exact, and the rest is fp32
     GEMM rounding over B rows."""
-    rowwise_dense(monkeypatch)
-    for b, batched, alone in batch_and_alone(smol, case):
+    decoding = rowwise_dense(monkeypatch)
+    for b, batched, alone in batch_and_alone(smol, case, decoding):
         diff = (batched - alone).abs().max().item()
         assert diff <= TOLERANCE, f"{case}: sequence {b}'s logits differ by {diff:.2e}"
