@@ -80,6 +80,27 @@ def test_mapped_v_rows_decode_as_explicit_reads(smol, served):  # noqa: F811
     assert torch.equal(got_logits, want_logits)
 
 
+@pytest.mark.skipif(_unsupported() is not None, reason=f"chm_mmap unsupported here: {_unsupported()}")
+def test_a_batch_of_two_decodes_as_explicit_reads(smol, served):  # noqa: F811
+    """Two sequences of different lengths: each one's V rows at its own place in the mapping."""
+    model, tok = smol
+    text = tok.encode(long_english_text())
+    prompts = [text[:PROMPT_TOKENS], text[PROMPT_TOKENS:PROMPT_TOKENS + PROMPT_TOKENS // 2]]
+    options = dict(OPTIONS, batch=2)
+    with Engine(model, EngineOptions(**options)) as eng:
+        want = eng.generate_batch(prompts, STEPS)
+    with libchm.Device(served.node) as dev, \
+            Engine(model, EngineOptions(**options, v_tier="mapped"), cxl=dev) as eng:
+        got = eng.generate_batch(prompts, STEPS)
+        host, layer = eng.host, 3
+        for seq in range(2):
+            n = int(host.cxl_watermark["v"][seq])
+            assert n > 0  # both sequences' rows went to the device
+            raw = dev.read(host._addr("v", layer, seq, 0), n * host.row_bytes)
+            assert np.array_equal(np.frombuffer(raw, np.float32).reshape(n, -1), host.v_dram[layer, seq, :n].numpy())
+    assert got == want, f"mapped V decoded {got}, explicit reads {want}"
+
+
 def test_a_mapped_tier_needs_a_served_device(media_dir):
     from emulator import Device
 
