@@ -11,6 +11,8 @@
 (d) chm_mmap (issue 26, bench_map.c): 4 KiB first-touch reads through a fresh
     mapping against chm_read of the same 4 KiB, sequential and random, on DRAM
     hits and on misses (every contender in turn in each round, same pages),
+    the kernel's floor for such a first touch beside them (a frame of a memfd
+    mapped over the page, MAP_FIXED, and touched: no device, no handler),
     memcpy out of resident mapped pages against memcpy of private memory, and
     the time from a device's kill -9 to its client's mapping being withdrawn.
 
@@ -122,7 +124,9 @@ def _map_cases(work: Path, node: str, exe: Path, rounds: int, deaths: int) -> di
     cases = {case: {"read": lines[case + "_read"], "map": lines[case + "_map"],
                     "x_read": lines[case + "_map"]["p50_ns"] / max(1, lines[case + "_read"]["p50_ns"])}
              for case in MAP_CASES}
-    return {"first_touch": cases, "stats": lines["stats"], "resident": resident, "scan": scan,
+    floor = lines["rand_floor"]
+    floor["x_read"] = floor["p50_ns"] / max(1, lines["hit_rand_read"]["p50_ns"])
+    return {"first_touch": cases, "floor": floor, "stats": lines["stats"], "resident": resident, "scan": scan,
             "cut_off_ms": cut_off_ms, "lease_ms": CUT_OFF_LEASE_MS,
             "resident_share": resident["mapped_gbps"] / resident["memcpy_gbps"],
             "withdrawn_ms": withdrawn, "withdrawn_ms_median": statistics.median(withdrawn) if withdrawn else None}
@@ -162,6 +166,9 @@ def _print_map(mapped: dict, rounds: int) -> None:
             label = f"{case.replace('_', ' ')}: " + ("chm_read" if who == "read" else "first touch via chm_mmap")
             print(f"    {label:<46} {r[who]['p50_ns'] / 1000:8.2f} us  {r[who]['p99_ns'] / 1000:8.2f} us")
         print(f"      p50 {r['x_read']:.2f}x chm_read's ({_goal(r['x_read'] <= FIRST_TOUCH_GOAL_X_READ)})")
+    fl = mapped["floor"]
+    print(f"    kernel floor, random: mmap(MAP_FIXED) of a frame + its first touch, no device, no handler "
+          f"{fl['p50_ns'] / 1000:.2f} us p50 = {fl['x_read']:.2f}x chm_read's hit")
     res = mapped["resident"]
     print(f"    resident mapped pages, 16 MiB memcpy: {res['mapped_gbps']:.2f} GB/s, private memory "
           f"{res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%}; "
@@ -185,6 +192,11 @@ def _map_rows(mapped: dict) -> list[tuple[str, str, str, str]]:
                      f"chm_read of the same 4 KiB: {r['read']['p50_ns'] / 1000:.2f} / "
                      f"{r['read']['p99_ns'] / 1000:.2f} µs (p50 {r['x_read']:.2f}x)",
                      f"p50 ≤ {FIRST_TOUCH_GOAL_X_READ:g}x chm_read"))
+    fl = mapped["floor"]
+    rows.append(("kernel floor of a no-copy 4 KiB first touch, rand: mmap(MAP_FIXED) of a frame + its first "
+                 "touch, no device, no handler, p50 / p99", f"{fl['p50_ns'] / 1000:.2f} / {fl['p99_ns'] / 1000:.2f} µs",
+                 f"chm_read hit rand p50 {mapped['first_touch']['hit_rand']['read']['p50_ns'] / 1000:.2f} µs "
+                 f"(floor {fl['x_read']:.2f}x)", "the least any mapping of the frame pays"))
     res = mapped["resident"]
     rows.append(("16 MiB memcpy out of resident mapped pages", f"{res['mapped_gbps']:.2f} GB/s",
                  f"memcpy of private memory {res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%})",

@@ -3,7 +3,8 @@
  *
  *   bench_map touch NODE PAGES ROUNDS   4 KiB first-touch reads through a fresh mapping against chm_read of
  *                                       the same 4 KiB, sequential and random, on DRAM hits and on misses;
- *                                       in each round every contender takes its turn on the same pages
+ *                                       in each round every contender takes its turn on the same pages;
+ *                                       and the kernel's floor for a no-copy first touch (floor_pass)
  *   bench_map resident NODE BYTES REPS  memcpy out of resident mapped pages against memcpy of private memory
  *   bench_map death NODE                map, touch, say "ready", then time from the device's death (its
  *                                       pidfd) to the mapping's withdrawal (chm_map_error)
@@ -16,11 +17,13 @@
  * read of the churn region [PAGES, 3*PAGES) then evicts the pages measured, [0, PAGES): misses).
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -92,6 +95,27 @@ static void pass(chm_dev *dev, const uint64_t *order, uint64_t n, uint64_t off, 
         chm_munmap(dev, base);
 }
 
+/* The kernel's floor for a no-copy first touch, no device and no handler: a frame of a memfd of its own mapped
+ * over the page's place in a reservation (mmap MAP_SHARED|MAP_FIXED: a frame's offset is not the page's, so one
+ * VMA operation per frame is the least any such mechanism pays), then the page's first touch (one fault). */
+static void floor_pass(int memfd, const uint64_t *order, uint64_t n, uint64_t off, uint64_t *out)
+{
+    char *base = mmap(NULL, n * page_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED)
+        die("mmap (floor reservation)", -errno);
+    for (uint64_t i = 0; i < n; i++) {
+        char *at = base + order[i] * page_size;
+        uint64_t t0 = now_ns();
+        if (mmap(at, page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, memfd,
+                 (off_t)(((order[i] * 7919) % n) * page_size)) == MAP_FAILED)
+            die("mmap (floor frame)", -errno);
+        memcpy(block, at + off, BLOCK);
+        __asm__ __volatile__("" : : "r"(block) : "memory");
+        out[i] = now_ns() - t0;
+    }
+    munmap(base, n * page_size);
+}
+
 static void print_p(const char *what, uint64_t *v, uint64_t n)
 {
     qsort(v, n, sizeof *v, cmp_u64);
@@ -106,15 +130,23 @@ static int run_touch(const char *node, uint64_t n, int rounds)
     page_size = info.page_size;
     uint64_t per_page = page_size / BLOCK;
     uint64_t *order = malloc(n * sizeof *order), *seq = malloc(n * sizeof *seq);
-    uint64_t *v[8];
-    for (int k = 0; k < 8; k++)
+    uint64_t *v[9];
+    for (int k = 0; k < 9; k++)
         v[k] = malloc((size_t)rounds * n * per_page * sizeof(uint64_t));
-    uint64_t count[8] = { 0 };
+    uint64_t count[9] = { 0 };
+    int memfd = memfd_create("bench-map-floor", MFD_CLOEXEC);   /* resident frames, as the device's hits are */
+    if (memfd < 0 || ftruncate(memfd, (off_t)(n * page_size)) < 0)
+        die("memfd (floor)", -errno);
+    char *fill = mmap(NULL, n * page_size, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+    if (fill == MAP_FAILED)
+        die("mmap (floor fill)", -errno);
+    memset(fill, 7, n * page_size);
     srand(26);
     for (uint64_t i = 0; i < n; i++)
         seq[i] = order[i] = i;
-    static const char *names[8] = { "hit_seq_read", "hit_seq_map", "hit_rand_read", "hit_rand_map",
-                                    "miss_seq_read", "miss_seq_map", "miss_rand_read", "miss_rand_map" };
+    static const char *names[9] = { "hit_seq_read", "hit_seq_map", "hit_rand_read", "hit_rand_map",
+                                    "miss_seq_read", "miss_seq_map", "miss_rand_read", "miss_rand_map",
+                                    "rand_floor" };
     for (int round = 0; round < rounds; round++) {
         for (uint64_t i = n - 1; i > 0; i--) {   /* a new random order each round */
             uint64_t j = (uint64_t)rand() % (i + 1), t = order[i];
@@ -129,10 +161,12 @@ static int run_touch(const char *node, uint64_t n, int rounds)
             pass(dev, sequential ? seq : order, n, off, mapped, sequential, v[k] + count[k]);
             count[k] += samples;
         }
+        floor_pass(memfd, order, n, off, v[8] + count[8]);
+        count[8] += n;
     }
     struct chm_stats st;
     chm_get_stats(dev, &st);
-    for (int k = 0; k < 8; k++)
+    for (int k = 0; k < 9; k++)
         print_p(names[k], v[k], count[k]);
     printf("{\"what\": \"stats\", \"map_faults\": %llu, \"page_hits\": %llu, \"page_misses\": %llu}\n",
            (unsigned long long)st.map_faults, (unsigned long long)st.page_hits, (unsigned long long)st.page_misses);
