@@ -9,7 +9,8 @@
     the two devices' runs interleaved (shares: medians of 5 runs);
 (c) CPU used by an idle ``chm serve``;
 (d) chm_mmap (issue 26, bench_map.c): 4 KiB first-touch reads through a fresh
-    mapping against chm_read of the same 4 KiB, sequential and random, on DRAM
+    mapping (faults served by its handler thread, and CHM_MAP_INLINE: in the
+    faulting thread) against chm_read of the same 4 KiB, sequential and random, on DRAM
     hits and on misses (every contender in turn in each round, same pages),
     the kernel's floor for such a first touch beside them (a frame of a memfd
     mapped over the page, MAP_FIXED, and touched: no device, no handler),
@@ -56,6 +57,7 @@ WITHDRAW_GOAL_MS = 100.0
 MAP_DEVICE = ("--policy", "lru", "--set", "dram.size_bytes=33554432", "--set", "policy.prefetch_window_bytes=4194304")
 MAP_PAGES = 256
 MAP_CASES = ("hit_seq", "hit_rand", "miss_seq", "miss_rand")
+MAP_MODES = {"map": "chm_mmap", "inline": "chm_mmap CHM_MAP_INLINE"}  # bench_map's contenders: who serves a fault
 CUT_OFF_LEASE_MS = 100  # chm serve's default --map-lease-ms
 
 
@@ -121,8 +123,10 @@ def _map_cases(work: Path, node: str, exe: Path, rounds: int, deaths: int) -> di
             client.wait(timeout=60)
             for leftover in Path("/dev/shm").glob(f"{node}-death{i}*"):
                 leftover.unlink()
-    cases = {case: {"read": lines[case + "_read"], "map": lines[case + "_map"],
-                    "x_read": lines[case + "_map"]["p50_ns"] / max(1, lines[case + "_read"]["p50_ns"])}
+    cases = {case: {"read": lines[case + "_read"],
+                    **{mode: lines[f"{case}_{mode}"] for mode in MAP_MODES},
+                    **{f"x_read_{mode}": lines[f"{case}_{mode}"]["p50_ns"] / max(1, lines[case + "_read"]["p50_ns"])
+                       for mode in MAP_MODES}}
              for case in MAP_CASES}
     floor = lines["rand_floor"]
     floor["x_read"] = floor["p50_ns"] / max(1, lines["hit_rand_read"]["p50_ns"])
@@ -162,10 +166,11 @@ def _print_map(mapped: dict, rounds: int) -> None:
     print(f"(d) chm_mmap, 4 KiB first touches of {MAP_PAGES} pages x {rounds} rounds, each contender in turn "
           f"(goal: p50 <= {FIRST_TOUCH_GOAL_X_READ:g}x chm_read's)      p50          p99")
     for case, r in mapped["first_touch"].items():
-        for who in ("read", "map"):
-            label = f"{case.replace('_', ' ')}: " + ("chm_read" if who == "read" else "first touch via chm_mmap")
-            print(f"    {label:<46} {r[who]['p50_ns'] / 1000:8.2f} us  {r[who]['p99_ns'] / 1000:8.2f} us")
-        print(f"      p50 {r['x_read']:.2f}x chm_read's ({_goal(r['x_read'] <= FIRST_TOUCH_GOAL_X_READ)})")
+        for who, name in (("read", "chm_read"), *MAP_MODES.items()):
+            label = f"{case.replace('_', ' ')}: " + (name if who == "read" else f"first touch via {name}")
+            x = "" if who == "read" else \
+                f"  p50 {r['x_read_' + who]:.2f}x ({_goal(r['x_read_' + who] <= FIRST_TOUCH_GOAL_X_READ)})"
+            print(f"    {label:<54} {r[who]['p50_ns'] / 1000:8.2f} us  {r[who]['p99_ns'] / 1000:8.2f} us{x}")
     fl = mapped["floor"]
     print(f"    kernel floor, random: mmap(MAP_FIXED) of a frame + its first touch, no device, no handler "
           f"{fl['p50_ns'] / 1000:.2f} us p50 = {fl['x_read']:.2f}x chm_read's hit")
@@ -187,11 +192,12 @@ def _print_map(mapped: dict, rounds: int) -> None:
 def _map_rows(mapped: dict) -> list[tuple[str, str, str, str]]:
     rows = []
     for case, r in mapped["first_touch"].items():
-        rows.append((f"4 KiB first touch via chm_mmap, {case.replace('_', ' ')}, p50 / p99",
-                     f"{r['map']['p50_ns'] / 1000:.2f} / {r['map']['p99_ns'] / 1000:.2f} µs",
-                     f"chm_read of the same 4 KiB: {r['read']['p50_ns'] / 1000:.2f} / "
-                     f"{r['read']['p99_ns'] / 1000:.2f} µs (p50 {r['x_read']:.2f}x)",
-                     f"p50 ≤ {FIRST_TOUCH_GOAL_X_READ:g}x chm_read"))
+        for mode, name in MAP_MODES.items():
+            rows.append((f"4 KiB first touch via {name}, {case.replace('_', ' ')}, p50 / p99",
+                         f"{r[mode]['p50_ns'] / 1000:.2f} / {r[mode]['p99_ns'] / 1000:.2f} µs",
+                         f"chm_read of the same 4 KiB: {r['read']['p50_ns'] / 1000:.2f} / "
+                         f"{r['read']['p99_ns'] / 1000:.2f} µs (p50 {r['x_read_' + mode]:.2f}x)",
+                         f"p50 ≤ {FIRST_TOUCH_GOAL_X_READ:g}x chm_read"))
     fl = mapped["floor"]
     rows.append(("kernel floor of a no-copy 4 KiB first touch, rand: mmap(MAP_FIXED) of a frame + its first "
                  "touch, no device, no handler, p50 / p99", f"{fl['p50_ns'] / 1000:.2f} / {fl['p99_ns'] / 1000:.2f} µs",

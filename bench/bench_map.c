@@ -1,8 +1,9 @@
 /*
  * The chm_mmap side of bench/bench_libchm.py (issue 26). Prints one JSON object per line.
  *
- *   bench_map touch NODE PAGES ROUNDS   4 KiB first-touch reads through a fresh mapping against chm_read of
- *                                       the same 4 KiB, sequential and random, on DRAM hits and on misses;
+ *   bench_map touch NODE PAGES ROUNDS   4 KiB first-touch reads through a fresh mapping (faults served by the
+ *                                       handler thread, and CHM_MAP_INLINE) against chm_read of the same
+ *                                       4 KiB, sequential and random, on DRAM hits and on misses;
  *                                       in each round every contender takes its turn on the same pages;
  *                                       and the kernel's floor for a no-copy first touch (floor_pass)
  *   bench_map resident NODE BYTES REPS  memcpy out of resident mapped pages against memcpy of private memory
@@ -64,14 +65,18 @@ static void warm(chm_dev *dev, uint64_t first, uint64_t n)
     }
 }
 
+enum contender { BY_READ, BY_MAP, BY_MAP_INLINE, CONTENDERS };
+
 /* One contender over the pages in `order`: chm_read of 4 KiB at the page's offset `off`, or a load of the
- * same 4 KiB through a fresh mapping of [0, n) pages (its first touch: one fault each). */
-static void pass(chm_dev *dev, const uint64_t *order, uint64_t n, uint64_t off, int mapped, int sequential,
+ * same 4 KiB through a fresh mapping of [0, n) pages (its first touch: one fault each), its faults served by
+ * the handler thread or (CHM_MAP_INLINE) in the faulting thread. */
+static void pass(chm_dev *dev, const uint64_t *order, uint64_t n, uint64_t off, enum contender who, int sequential,
                  uint64_t *out)
 {
     void *base = NULL;
+    int mapped = who != BY_READ;
     if (mapped) {
-        int ret = chm_mmap_range(dev, 0, n * page_size, &base, 0);
+        int ret = chm_mmap_range(dev, 0, n * page_size, &base, who == BY_MAP_INLINE ? CHM_MAP_INLINE : 0);
         if (ret < 0)
             die("chm_mmap_range", ret);
     }
@@ -130,10 +135,11 @@ static int run_touch(const char *node, uint64_t n, int rounds)
     page_size = info.page_size;
     uint64_t per_page = page_size / BLOCK;
     uint64_t *order = malloc(n * sizeof *order), *seq = malloc(n * sizeof *seq);
-    uint64_t *v[9];
-    for (int k = 0; k < 9; k++)
+    enum { CASES = 4, SERIES = CASES * CONTENDERS + 1 };   /* + the floor */
+    uint64_t *v[SERIES];
+    for (int k = 0; k < SERIES; k++)
         v[k] = malloc((size_t)rounds * n * per_page * sizeof(uint64_t));
-    uint64_t count[9] = { 0 };
+    uint64_t count[SERIES] = { 0 };
     int memfd = memfd_create("bench-map-floor", MFD_CLOEXEC);   /* resident frames, as the device's hits are */
     if (memfd < 0 || ftruncate(memfd, (off_t)(n * page_size)) < 0)
         die("memfd (floor)", -errno);
@@ -144,9 +150,8 @@ static int run_touch(const char *node, uint64_t n, int rounds)
     srand(26);
     for (uint64_t i = 0; i < n; i++)
         seq[i] = order[i] = i;
-    static const char *names[9] = { "hit_seq_read", "hit_seq_map", "hit_rand_read", "hit_rand_map",
-                                    "miss_seq_read", "miss_seq_map", "miss_rand_read", "miss_rand_map",
-                                    "rand_floor" };
+    static const char *cases[CASES] = { "hit_seq", "hit_rand", "miss_seq", "miss_rand" };
+    static const char *by[CONTENDERS] = { "read", "map", "inline" };
     for (int round = 0; round < rounds; round++) {
         for (uint64_t i = n - 1; i > 0; i--) {   /* a new random order each round */
             uint64_t j = (uint64_t)rand() % (i + 1), t = order[i];
@@ -154,20 +159,26 @@ static int run_touch(const char *node, uint64_t n, int rounds)
             order[j] = t;
         }
         uint64_t off = ((uint64_t)rand() % per_page) * BLOCK;
-        for (int k = 0; k < 8; k++) {   /* each contender on the same pages, taking turns */
-            int miss = k >= 4, sequential = (k / 2) % 2 == 0, mapped = k % 2;
-            warm(dev, miss ? n : 0, miss ? 2 * n : n);   /* hits: the pages resident; misses: evicted */
-            uint64_t samples = sequential ? n * per_page : n;
-            pass(dev, sequential ? seq : order, n, off, mapped, sequential, v[k] + count[k]);
-            count[k] += samples;
+        for (int c = 0; c < CASES; c++) {
+            int miss = c >= 2, sequential = c % 2 == 0;
+            for (int who = 0; who < CONTENDERS; who++) {   /* each contender on the same pages, taking turns */
+                int k = c * CONTENDERS + who;
+                warm(dev, miss ? n : 0, miss ? 2 * n : n);   /* hits: the pages resident; misses: evicted */
+                pass(dev, sequential ? seq : order, n, off, (enum contender)who, sequential, v[k] + count[k]);
+                count[k] += sequential ? n * per_page : n;
+            }
         }
-        floor_pass(memfd, order, n, off, v[8] + count[8]);
-        count[8] += n;
+        floor_pass(memfd, order, n, off, v[SERIES - 1] + count[SERIES - 1]);
+        count[SERIES - 1] += n;
     }
     struct chm_stats st;
     chm_get_stats(dev, &st);
-    for (int k = 0; k < 9; k++)
-        print_p(names[k], v[k], count[k]);
+    char name[32];
+    for (int k = 0; k < SERIES - 1; k++) {
+        snprintf(name, sizeof name, "%s_%s", cases[k / CONTENDERS], by[k % CONTENDERS]);
+        print_p(name, v[k], count[k]);
+    }
+    print_p("rand_floor", v[SERIES - 1], count[SERIES - 1]);
     printf("{\"what\": \"stats\", \"map_faults\": %llu, \"page_hits\": %llu, \"page_misses\": %llu}\n",
            (unsigned long long)st.map_faults, (unsigned long long)st.page_hits, (unsigned long long)st.page_misses);
     chm_close(dev);

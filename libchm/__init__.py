@@ -371,10 +371,13 @@ class Device:
         }
 
     # ---- the device as memory (docs/mmap.md) -------------------------------------
-    def mmap(self, addr: int = 0, length: int | None = None, strict: bool = False) -> memoryview:
+    def mmap(self, addr: int = 0, length: int | None = None, strict: bool = False,
+             inline: bool = False) -> memoryview:
         """Map ``length`` device bytes at ``addr`` (default: the whole capacity) into this process: a writable
         memoryview whose loads and stores reach the device (numpy.frombuffer, torch.frombuffer wrap it with no
         copy). ``strict``: CHM_MAP_STRICT (one page mapped at a time: every page visit is a device access).
+        ``inline``: CHM_MAP_INLINE (faults served in the faulting thread, by a SIGBUS handler: cheaper; a
+        syscall given a page not mapped yet then fails with EFAULT, chm_mmap(3)).
         EOPNOTSUPP names what the kernel or the device lacks. The view is withdrawn by ``munmap`` or ``close``:
         an access after that is SIGBUS, never a stale byte; its addresses stay reserved for the process."""
         addr = self._address(addr)
@@ -383,14 +386,17 @@ class Device:
         for name, value in (("addr", addr), ("length", length)):
             if value % page:
                 raise ChmError(errno.EINVAL, f"{name} {value} must be a multiple of the device's page_size {page}")
-        if not isinstance(strict, bool):
-            raise ChmError(errno.EINVAL, f"strict must be True or False, not {strict!r}")
+        for name, value in (("strict", strict), ("inline", inline)):
+            if not isinstance(value, bool):
+                raise ChmError(errno.EINVAL, f"{name} must be True or False, not {value!r}")
         out = ffi.new("void **")
-        ret = lib.chm_mmap_range(self.dev, addr, length, out, lib.CHM_MAP_STRICT if strict else 0)
+        flags = (lib.CHM_MAP_STRICT if strict else 0) | (lib.CHM_MAP_INLINE if inline else 0)
+        ret = lib.chm_mmap_range(self.dev, addr, length, out, flags)
         if ret == -errno.EOPNOTSUPP:
             why = lib.chm_mmap_unsupported()
             why = ffi.string(why).decode() if why != ffi.NULL else \
-                "the device moves no bytes (emulation.data is off): there is nothing to map"
+                "the device moves no bytes (emulation.data is off): there is nothing to map" if not inline else \
+                "the device moves no bytes, or CHM_MAP_INLINE lacks the kernel's UFFD_FEATURE_SIGBUS or x86-64"
             raise ChmError(errno.EOPNOTSUPP, f"mmap of {length} bytes at {addr}: {why}")
         if ret < 0:
             _raise(ret, f"mmap of {length} bytes at {addr}")

@@ -204,10 +204,19 @@ int     chm_reap(chm_dev *dev, struct chm_completion *out, unsigned max, unsigne
  * -ENOSPC), that page only; chm_map_error says which. Syscalls reading the mapping work
  * (the handler thread serves kernel faults too). The mapping is not inherited
  * by fork(); a child touching it gets SIGSEGV.
+ * CHM_MAP_INLINE serves each fault in the thread that took it (libchm's SIGBUS
+ * handler, installed at the first such mapping, chaining to the program's for
+ * every other SIGBUS), which saves the hand-off to and from the handler thread
+ * (about half a random first touch's cost). Then a syscall given a page that
+ * is not mapped yet fails with -EFAULT instead of being served (touch or
+ * chm_map_populate it first), a thread touching the mapping must not block
+ * SIGBUS, and a handler the program installs later must chain to libchm's.
  * Returns 0, -EOPNOTSUPP (the kernel lacks a userfaultfd feature this needs:
  * chm_mmap_unsupported says which; or the device moves no bytes), -EINVAL (flags, alignment, len 0), -ERANGE,
- * -ENOMEM, -ENODEV, -EBADF. chm_close unmaps the handle's mappings. */
+ * -ENOMEM, -EMFILE (64 CHM_MAP_INLINE mappings held already), -ENODEV, -EBADF. chm_close unmaps the handle's
+ * mappings. */
 #define CHM_MAP_STRICT 1
+#define CHM_MAP_INLINE 2
 int     chm_mmap(chm_dev *dev, void **ptr, unsigned flags);
 int     chm_mmap_range(chm_dev *dev, chm_addr addr, size_t len, void **ptr, unsigned flags);
 /* Unmap a mapping (ptr as chm_mmap gave it). 0, -EINVAL (not a mapping of dev), -EBADF. */

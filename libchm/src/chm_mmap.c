@@ -6,13 +6,20 @@
  * memfd over the page (MAP_SHARED|MAP_FIXED: one VMA per frame, no copy), installs it (UFFDIO_CONTINUE,
  * write-protected unless the fault was a write) and acknowledges the lease (MAP_ACK). The VMA stays
  * registered MISSING|MINOR|WP, so when the device punches the frame (before it holds another page) every
- * later access faults again, and a first write after a read or after a flush faults as WP. */
+ * later access faults again, and a first write after a read or after a flush faults as WP.
+ *
+ * CHM_MAP_INLINE serves the faults in the faulting thread instead: the userfaultfd has UFFD_FEATURE_SIGBUS,
+ * so every fault on the mapping raises SIGBUS in the thread that took it, and libchm's SIGBUS handler does
+ * what the handler thread does (handle_fault) before the access is retried: no hand-off between threads.
+ * A SIGBUS the handler does not serve (another address, a page that has failed) goes to the handler the
+ * program had before. The handler thread still watches the device's death. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +29,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include "chm_priv.h"
@@ -40,6 +48,7 @@
 #define DEFAULT_WRITE_TIMEOUT_MS 10000u   /* a write the device refuses (-EAGAIN) is retried this long */
 #define MAP_COUNT_RESERVE 1024u           /* VMAs left to the rest of the process */
 #define WAIT_SLICE_NS 5000000ull          /* while waiting for an answer, look at the device's pidfd this often */
+#define INLINE_MAPS_MAX 64u              /* CHM_MAP_INLINE mappings a process holds at once */
 #define NO_FRAME -1
 #define DEAD_PAGE -2
 
@@ -67,7 +76,23 @@ struct chm_map {
     uint64_t leases;                  /* leases taken */
     uint64_t test_stall_at;           /* $CHM_MAP_TEST_STALL_AT (tests): SIGSTOP the process on taking that
                                          lease, before installing or acknowledging it (0: never) */
+    uint32_t lock;                    /* held while the pages' state changes: by one faulting thread at a
+                                         time (CHM_MAP_INLINE) and by the handler thread */
 };
+
+/* The mapping's lock: a futex, so that threads faulting behind one that waits for the device sleep. Taken
+ * in a signal handler too (CHM_MAP_INLINE): nothing that holds it touches the mapping. */
+static void map_lock(struct chm_map *m)
+{
+    while (__atomic_exchange_n(&m->lock, 1, __ATOMIC_ACQUIRE))
+        chm_futex_wait(&m->lock, 1, WAIT_SLICE_NS);
+}
+
+static void map_unlock(struct chm_map *m)
+{
+    __atomic_store_n(&m->lock, 0, __ATOMIC_RELEASE);
+    chm_futex_wake(&m->lock);
+}
 
 static char unsupported_why[160];
 
@@ -95,7 +120,7 @@ static int uffd_open(void)
 }
 
 /* A userfaultfd with the features chm_mmap needs, or -EOPNOTSUPP (unsupported_why says what is missing). */
-static int uffd_for_mapping(void)
+static int uffd_for_mapping(uint64_t extra)
 {
     int fd = uffd_open();
     if (fd < 0) {
@@ -103,15 +128,16 @@ static int uffd_for_mapping(void)
                  "vm.unprivileged_userfaultfd=1 or access to /dev/userfaultfd)", strerror(-fd));
         return fd == -ENOSYS || fd == -EPERM || fd == -EACCES || fd == -ENOENT ? -EOPNOTSUPP : fd;
     }
-    struct uffdio_api api = { .api = UFFD_API, .features = MAP_FEATURES };
-    if (ioctl(fd, UFFDIO_API, &api) < 0 || (api.features & MAP_FEATURES) != MAP_FEATURES) {
+    struct uffdio_api api = { .api = UFFD_API, .features = MAP_FEATURES | extra };
+    if (ioctl(fd, UFFDIO_API, &api) < 0 || (api.features & (MAP_FEATURES | extra)) != (MAP_FEATURES | extra)) {
         struct uffdio_api all = { .api = UFFD_API };
         int probe = uffd_open();
         if (probe >= 0 && ioctl(probe, UFFDIO_API, &all) == 0)
-            snprintf(unsupported_why, sizeof unsupported_why, "the kernel's userfaultfd lacks%s%s%s",
+            snprintf(unsupported_why, sizeof unsupported_why, "the kernel's userfaultfd lacks%s%s%s%s",
                      all.features & UFFD_FEATURE_MISSING_SHMEM ? "" : " MISSING_SHMEM",
                      all.features & UFFD_FEATURE_MINOR_SHMEM ? "" : " MINOR_SHMEM",
-                     all.features & UFFD_FEATURE_WP_HUGETLBFS_SHMEM ? "" : " WP_HUGETLBFS_SHMEM");
+                     all.features & UFFD_FEATURE_WP_HUGETLBFS_SHMEM ? "" : " WP_HUGETLBFS_SHMEM",
+                     !(extra & UFFD_FEATURE_SIGBUS) || all.features & UFFD_FEATURE_SIGBUS ? "" : " SIGBUS");
         else
             snprintf(unsupported_why, sizeof unsupported_why, "UFFDIO_API failed: %s", strerror(errno));
         if (probe >= 0)
@@ -124,7 +150,7 @@ static int uffd_for_mapping(void)
 
 const char *chm_mmap_unsupported(void)
 {
-    int fd = uffd_for_mapping();
+    int fd = uffd_for_mapping(0);
     if (fd >= 0) {
         close(fd);
         return NULL;
@@ -397,7 +423,9 @@ static void *handler(void *arg)
         if (p[1].revents)
             break;
         if ((m->pidfd >= 0 && p[2].revents) || chm_load_acquire(&m->fq->node->magic) != CHM_WIRE_MAGIC) {
+            map_lock(m);
             fail_all(m, -ENODEV);   /* the device is gone: nothing it served may be seen again */
+            map_unlock(m);
             p[2].fd = -1;
         }
         struct uffd_msg msg[16];
@@ -405,13 +433,109 @@ static void *handler(void *arg)
         for (ssize_t i = 0; got > 0 && i < got / (ssize_t)sizeof msg[0]; i++) {
             if (msg[i].event != UFFD_EVENT_PAGEFAULT)
                 continue;
+            map_lock(m);
             if (m->error)
                 uffd_wake(m, (void *)(uintptr_t)msg[i].arg.pagefault.address, 1);
             else
                 handle_fault(m, (uintptr_t)msg[i].arg.pagefault.address, msg[i].arg.pagefault.flags);
+            map_unlock(m);
         }
     }
     return NULL;
+}
+
+/* ---- CHM_MAP_INLINE: faults served in the faulting thread's SIGBUS handler --------------------------- */
+
+static struct chm_map *inline_maps[INLINE_MAPS_MAX];   /* the process's inline mappings, for the handler */
+static uint32_t inline_in_handler;                     /* handlers running: a mapping is freed at 0 */
+static struct sigaction sigbus_before;                 /* the program's SIGBUS handler, for every other one */
+static pthread_once_t sigbus_once = PTHREAD_ONCE_INIT;
+static int sigbus_installed;                           /* 0, or -errno of sigaction */
+
+static void sigbus_chain(int sig, siginfo_t *si, void *uc)
+{
+    if ((sigbus_before.sa_flags & SA_SIGINFO) && sigbus_before.sa_sigaction) {
+        sigbus_before.sa_sigaction(sig, si, uc);
+        return;
+    }
+    if (!(sigbus_before.sa_flags & SA_SIGINFO) && sigbus_before.sa_handler != SIG_DFL &&
+        sigbus_before.sa_handler != SIG_IGN) {
+        sigbus_before.sa_handler(sig);
+        return;
+    }
+    struct sigaction dfl = { .sa_handler = SIG_DFL };   /* the access is retried and the process dies of it */
+    sigaction(SIGBUS, &dfl, NULL);
+}
+
+static void on_sigbus(int sig, siginfo_t *si, void *ucontext)
+{
+    int saved_errno = errno;
+    __atomic_add_fetch(&inline_in_handler, 1, __ATOMIC_SEQ_CST);
+    uintptr_t address = (uintptr_t)si->si_addr;
+    int served = 0;
+    for (unsigned i = 0; si->si_code > 0 && i < INLINE_MAPS_MAX; i++) {   /* <= 0: sent, not a fault */
+        struct chm_map *m = __atomic_load_n(&inline_maps[i], __ATOMIC_ACQUIRE);
+        if (!m || address - (uintptr_t)m->base >= m->len)
+            continue;
+        size_t idx = (address - (uintptr_t)m->base) / m->page;
+        map_lock(m);
+        if (!m->error && m->frame_of[idx] != DEAD_PAGE) {   /* a failed page: the program's SIGBUS */
+            uint64_t flags = 0;
+#if defined(__x86_64__)
+            greg_t err = ((ucontext_t *)ucontext)->uc_mcontext.gregs[REG_ERR];   /* the page fault's error code */
+            if (err & 2)
+                flags |= UFFD_PAGEFAULT_FLAG_WRITE;
+            if ((err & 3) == 3)   /* a write to a present page: write-protected */
+                flags |= UFFD_PAGEFAULT_FLAG_WP;
+#endif
+            handle_fault(m, address, flags);
+            served = 1;   /* installed, or failed: then the retried access is the program's SIGBUS */
+        }
+        map_unlock(m);
+        break;
+    }
+    __atomic_sub_fetch(&inline_in_handler, 1, __ATOMIC_SEQ_CST);
+    if (!served)
+        sigbus_chain(sig, si, ucontext);
+    errno = saved_errno;
+}
+
+static void sigbus_install(void)
+{
+    struct sigaction sa = { .sa_sigaction = on_sigbus, .sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART };
+    sigemptyset(&sa.sa_mask);
+    sigbus_installed = sigaction(SIGBUS, &sa, &sigbus_before) ? -errno : 0;
+}
+
+static int inline_add(struct chm_map *m)
+{
+#if !defined(__x86_64__)
+    (void)m;
+    snprintf(unsupported_why, sizeof unsupported_why, "CHM_MAP_INLINE reads a fault's access from x86-64's "
+             "signal context; this architecture's is not read");
+    return -EOPNOTSUPP;
+#else
+    pthread_once(&sigbus_once, sigbus_install);
+    if (sigbus_installed)
+        return sigbus_installed;
+    for (unsigned i = 0; i < INLINE_MAPS_MAX; i++) {
+        struct chm_map *none = NULL;
+        if (__atomic_compare_exchange_n(&inline_maps[i], &none, m, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+            return 0;
+    }
+    return -EMFILE;
+#endif
+}
+
+/* Off the handler's list, once no handler can be using it. */
+static void inline_remove(struct chm_map *m)
+{
+    for (unsigned i = 0; i < INLINE_MAPS_MAX; i++) {
+        struct chm_map *mine = m;
+        __atomic_compare_exchange_n(&inline_maps[i], &mine, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+    }
+    while (__atomic_load_n(&inline_in_handler, __ATOMIC_SEQ_CST))
+        sched_yield();
 }
 
 /* ---- the map request ----------------------------------------------------------------------------- */
@@ -478,6 +602,8 @@ static size_t vma_budget(void)
 
 static void map_free(struct chm_map *m, int unmap)
 {
+    if (m->flags & CHM_MAP_INLINE)
+        inline_remove(m);
     if (m->thread_started) {
         uint64_t one = 1;
         ssize_t w = write(m->stop_fd, &one, sizeof one);
@@ -505,7 +631,7 @@ static void map_free(struct chm_map *m, int unmap)
 int chm_mmap_range(chm_dev *dev, chm_addr addr, size_t len, void **ptr, unsigned flags)
 {
     CHECK_DEV(dev);
-    if (!ptr || (flags & ~CHM_MAP_STRICT))
+    if (!ptr || (flags & ~(unsigned)(CHM_MAP_STRICT | CHM_MAP_INLINE)))
         return -EINVAL;
     *ptr = NULL;
     uint64_t page = dev->node->page_size;
@@ -529,7 +655,7 @@ int chm_mmap_range(chm_dev *dev, chm_addr addr, size_t len, void **ptr, unsigned
     m->write_timeout_ns = env_ms("CHM_MAP_WRITE_TIMEOUT_MS", DEFAULT_WRITE_TIMEOUT_MS) * 1000000ull;
     m->budget = vma_budget();
     m->test_stall_at = env_ms("CHM_MAP_TEST_STALL_AT", 0);
-    if ((ret = m->uffd = uffd_for_mapping()) < 0) {
+    if ((ret = m->uffd = uffd_for_mapping(flags & CHM_MAP_INLINE ? UFFD_FEATURE_SIGBUS : 0)) < 0) {
         m->uffd = -1;
         goto fail;
     }
@@ -573,6 +699,8 @@ int chm_mmap_range(chm_dev *dev, chm_addr addr, size_t len, void **ptr, unsigned
     if ((ret = -pthread_create(&m->thread, NULL, handler, m)) < 0)
         goto fail;
     m->thread_started = 1;
+    if ((flags & CHM_MAP_INLINE) && (ret = inline_add(m)) < 0)
+        goto fail;
     m->next = dev->maps;
     dev->maps = m;
     *ptr = base;

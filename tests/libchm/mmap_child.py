@@ -2,6 +2,8 @@
 stdin, answering one line on stdout each (so the test synchronizes on its answers, never on time).
 
     python -m tests.libchm.mmap_child NODE LENGTH
+    $CHM_TEST_MAP_INLINE=1: the mapping is CHM_MAP_INLINE; $CHM_TEST_FAULTHANDLER=1: Python's faulthandler is
+    enabled before it (the SIGBUS handler libchm chains to)
     commands: write OFFSET HEX | read OFFSET N | flush | error OFFSET | syscall-read OFFSET | syscall-write OFFSET
               | touch OFFSET
               | wait-device-death | quit
@@ -32,8 +34,11 @@ def through_a_pipe(use) -> str:
 
 def main() -> int:
     node, length = sys.argv[1], int(sys.argv[2])
+    if os.environ.get("CHM_TEST_FAULTHANDLER") == "1":
+        import faulthandler
+        faulthandler.enable()
     dev = libchm.Device(node)
-    view = dev.mmap(0, length)
+    view = dev.mmap(0, length, inline=os.environ.get("CHM_TEST_MAP_INLINE") == "1")
     base = int(libchm.ffi.cast("uintptr_t", libchm.ffi.from_buffer(view)))
     server_pid = dev.info()["server_pid"]
     out = sys.stdout

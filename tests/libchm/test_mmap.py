@@ -1,6 +1,7 @@
 """chm_mmap against a real `chm serve` (issue 26): bytes through the mapping and through chm_read agree both
 ways, a scan larger than DRAM reads every byte right and counts as a chm_read scan (CHM_MAP_STRICT), prefetch
-by pointer, and what the device refuses (its map request's fields, a policy it cannot map)."""
+by pointer, and what the device refuses (its map request's fields, a policy it cannot map). The tests marked
+``MODES`` run with faults served by the handler thread and in the faulting thread (CHM_MAP_INLINE)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ PAGE = 64 << 10  # the small profile's page
 SMALL_DRAM = ("--policy", "lru", "--set", "dram.size_bytes=16777216", "--set", "policy.prefetch_window_bytes=4194304")
 DRAM_PAGES = 256
 COUNTS = ("page_hits", "page_misses", "merged_misses", "reads")
+MODES = pytest.mark.parametrize("inline", [False, True], ids=["handler-thread", "inline"])
 
 
 def _unsupported():
@@ -39,9 +41,10 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in COUNTS}
 
 
-def test_mapping_and_chm_read_agree(small):
+@MODES
+def test_mapping_and_chm_read_agree(small, inline):
     with libchm.Device(small.path) as dev:
-        view = dev.mmap(0, 8 * PAGE)
+        view = dev.mmap(0, 8 * PAGE, inline=inline)
         view[100:105] = b"hello"  # a store through the mapping ...
         assert dev.read(100, 5) == b"hello"  # ... is what chm_read returns
         dev.write(3 * PAGE + 7, b"world")  # and a chm_write ...
@@ -54,7 +57,8 @@ def test_mapping_and_chm_read_agree(small):
         dev.munmap(view)
 
 
-def test_scan_larger_than_dram_reads_right_and_counts_as_chm_read(small):
+@MODES
+def test_scan_larger_than_dram_reads_right_and_counts_as_chm_read(small, inline):
     pages = 4 * DRAM_PAGES
     with libchm.Device(small.path) as dev:
         base = 64 * PAGE
@@ -65,7 +69,7 @@ def test_scan_larger_than_dram_reads_right_and_counts_as_chm_read(small):
         for i in range(pages):  # a chm_read scan, for the counts
             assert dev.read(base + i * PAGE, 64) == i.to_bytes(4, "little") * 16
         by_read = _delta(dev.stats(), before)
-        view = dev.mmap(base, pages * PAGE, strict=True)
+        view = dev.mmap(base, pages * PAGE, strict=True, inline=inline)
         before = dev.stats()
         wrong = [i for i in range(pages) if bytes(view[i * PAGE: i * PAGE + 64]) != i.to_bytes(4, "little") * 16]
         after = dev.stats()
@@ -75,7 +79,7 @@ def test_scan_larger_than_dram_reads_right_and_counts_as_chm_read(small):
         assert after["map_punches"] - before["map_punches"] >= pages - DRAM_PAGES  # evicted while mapped
         # The default mode counts first touches: a second pass over the last DRAM's worth hits.
         dev.munmap(view)
-        view = dev.mmap(base, pages * PAGE)
+        view = dev.mmap(base, pages * PAGE, inline=inline)
         tail = range(pages - DRAM_PAGES // 2, pages)
         before = dev.stats()
         for _ in range(2):
@@ -85,12 +89,13 @@ def test_scan_larger_than_dram_reads_right_and_counts_as_chm_read(small):
         assert got["page_hits"] == len(tail) and got["page_misses"] == 0  # one access per page per residency
 
 
-def test_an_evicted_page_is_never_seen_stale_or_foreign(small):
+@MODES
+def test_an_evicted_page_is_never_seen_stale_or_foreign(small, inline):
     base, other = 8 * 1024 * PAGE, 9 * 1024 * PAGE
     with libchm.Device(small.path) as dev, libchm.Device(small.path) as churn:
         for i in range(10):
             dev.write(base + i * PAGE, bytes([i + 1]) * 16)
-        view = dev.mmap(base, 10 * PAGE)
+        view = dev.mmap(base, 10 * PAGE, inline=inline)
         assert [view[i * PAGE] for i in range(10)] == list(range(1, 11))  # mapped: entries present
         for i in range(2 * DRAM_PAGES):  # another client's pages take every frame, ours are evicted
             churn.write(other + i * PAGE, bytes([0xEE]) * 16)
@@ -131,7 +136,8 @@ def test_prefetch_by_pointer_then_first_touch_hits(small):
 def test_bad_arguments_are_named(small):
     with libchm.Device(small.path) as dev:
         for kwargs, err in ((dict(addr=1), errno.EINVAL), (dict(length=PAGE + 1), errno.EINVAL),
-                            (dict(addr=dev.info()["capacity_bytes"]), errno.ERANGE), (dict(strict=1), errno.EINVAL)):
+                            (dict(addr=dev.info()["capacity_bytes"]), errno.ERANGE), (dict(strict=1), errno.EINVAL),
+                            (dict(inline="yes"), errno.EINVAL)):
             with pytest.raises(libchm.ChmError) as exc:
                 dev.mmap(**kwargs)
             assert exc.value.errno == err, kwargs
@@ -184,15 +190,16 @@ def hym(tmp_path_factory):
         yield srv
 
 
-def test_hymcache_a_store_moves_the_page_to_the_write_buffer_and_no_copy_goes_stale(hym):
+@MODES
+def test_hymcache_a_store_moves_the_page_to_the_write_buffer_and_no_copy_goes_stale(hym, inline):
     base = 3 << 30
     with libchm.Device(hym.path) as writer, libchm.Device(hym.path) as reader:
         writer.write(base, b"A" * PAGE)
         writer.flush()
         assert writer.read(base, 4) == b"AAAA"  # staged in the read area
-        seen = reader.mmap(base, 4 * PAGE)
+        seen = reader.mmap(base, 4 * PAGE, inline=inline)
         assert bytes(seen[0:4]) == b"AAAA"  # the reader maps the read area's frame
-        view = writer.mmap(base, 4 * PAGE)
+        view = writer.mmap(base, 4 * PAGE, inline=inline)
         view[1:3] = b"bc"  # the store: a write-buffer frame with the page's bytes, the read copy dropped
         assert bytes(seen[0:4]) == b"AbcA" and writer.read(base, 4) == b"AbcA"
         writer.flush()  # flushed: the write-buffer frame is freed, later reads stage the page again
