@@ -48,6 +48,7 @@
 #define DEFAULT_WRITE_TIMEOUT_MS 10000u   /* a write the device refuses (-EAGAIN) is retried this long */
 #define MAP_COUNT_RESERVE 1024u           /* VMAs left to the rest of the process */
 #define WAIT_SLICE_NS 5000000ull          /* while waiting for an answer, look at the device's pidfd this often */
+#define OPEN_LEASE_NS 1000000ull         /* a read lease left open (close_open_lease) is acknowledged by then */
 #define INLINE_MAPS_MAX 64u              /* CHM_MAP_INLINE mappings a process holds at once */
 #define NO_FRAME -1
 #define DEAD_PAGE -2
@@ -66,6 +67,7 @@ struct chm_map {
     size_t *fifo;                     /* pages with a frame VMA, oldest first (vm.max_map_count budget) */
     size_t fifo_head, fifo_len, budget;
     ssize_t strict_last;              /* CHM_MAP_STRICT: the page installed last, or -1 */
+    ssize_t last_fault_idx;           /* the page of the last fault that asked the device, or -1 */
     int uffd, dram_fd, stop_fd, pidfd, dead_fd;
     int error;                        /* the whole mapping's -errno once it is withdrawn (SIGBUS), else 0 */
     uint64_t fault_timeout_ns, write_timeout_ns;
@@ -78,6 +80,9 @@ struct chm_map {
                                          lease, before installing or acknowledging it (0: never) */
     uint32_t lock;                    /* held while the pages' state changes: by one faulting thread at a
                                          time (CHM_MAP_INLINE) and by the handler thread */
+    int64_t open_lease;               /* a read lease not acknowledged yet (its frame stays pinned), or 0 */
+    size_t open_idx;                  /* its page, of which one host page is installed */
+    uint64_t open_since;              /* chm_now_ns() when it was taken */
 };
 
 /* The mapping's lock: a futex, so that threads faulting behind one that waits for the device sleep. Taken
@@ -258,6 +263,19 @@ static void map_ack(struct chm_map *m, chm_addr addr, int64_t lease, int failed)
 
 /* ---- installing and withdrawing pages ---------------------------------------------------------- */
 
+/* A read fault in the middle of a page (not at its first host page, nor right after the page before it)
+ * installs that host page alone and keeps the lease open: a random 4 KiB touch then pays one
+ * UFFDIO_CONTINUE entry, not the frame's 16 (about a microsecond each). The frame stays pinned by the open
+ * lease, so a second fault on that page installs the rest of it with no new question to the device; any other
+ * fault, or OPEN_LEASE_NS without one (the handler thread), acknowledges it. */
+static void close_open_lease(struct chm_map *m)
+{
+    if (m->open_lease) {
+        map_ack(m, m->dev_addr + m->open_idx * m->page, m->open_lease, 0);
+        m->open_lease = 0;
+    }
+}
+
 static int uffd_register(struct chm_map *m, void *at, size_t len, uint64_t mode)
 {
     struct uffdio_register r = { .range = { .start = (uintptr_t)at, .len = len }, .mode = mode };
@@ -273,6 +291,8 @@ static void uffd_wake(struct chm_map *m, void *at, size_t len)
 /* Back to the reservation: the page's frame VMA goes (own mm only); its next access faults MISSING. */
 static int withdraw(struct chm_map *m, size_t idx)
 {
+    if (m->open_lease && m->open_idx == idx)
+        close_open_lease(m);
     char *at = m->base + idx * m->page;
     if (mmap(at, m->page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
         == MAP_FAILED)
@@ -303,6 +323,7 @@ static void fail_all(struct chm_map *m, int err)
     if (m->error)
         return;
     __atomic_store_n(&m->error, err, __ATOMIC_RELEASE);
+    m->open_lease = 0;   /* the device is gone, or ignores this client now */
     make_sigbus(m, m->base, m->len);
     for (size_t i = 0; i < m->pages; i++)
         m->frame_of[i] = DEAD_PAGE;
@@ -322,11 +343,12 @@ static void note_installed(struct chm_map *m, size_t idx)
     m->fifo_len++;
 }
 
-static int install_continue(struct chm_map *m, char *at, int write)
+/* Install [at, at+len) of a leased frame's VMA: read-only (write-protected) unless the fault was a store. */
+static int install_continue(struct chm_map *m, char *at, size_t len, int write)
 {
     uint64_t mode = write ? 0 : UFFDIO_CONTINUE_MODE_WP;
-    for (size_t off = 0; off < m->page;) {   /* whole frame at once; page by page past a present one */
-        struct uffdio_continue c = { .range = { .start = (uintptr_t)at + off, .len = m->page - off },
+    for (size_t off = 0; off < len;) {   /* all at once; page by page past a present one */
+        struct uffdio_continue c = { .range = { .start = (uintptr_t)at + off, .len = len - off },
                                      .mode = m->cont_wp ? mode : 0 };
         if (ioctl(m->uffd, UFFDIO_CONTINUE, &c) == 0)
             break;
@@ -348,7 +370,7 @@ static int install_continue(struct chm_map *m, char *at, int write)
         return -err;
     }
     if (!write && !m->cont_wp) {
-        struct uffdio_writeprotect wp = { .range = { .start = (uintptr_t)at, .len = m->page },
+        struct uffdio_writeprotect wp = { .range = { .start = (uintptr_t)at, .len = len },
                                           .mode = UFFDIO_WRITEPROTECT_MODE_WP };
         ioctl(m->uffd, UFFDIO_WRITEPROTECT, &wp);
     }
@@ -364,6 +386,17 @@ static void handle_fault(struct chm_map *m, uintptr_t address, uint64_t fault_fl
     chm_addr addr = m->dev_addr + idx * m->page;
     int wp = (fault_flags & UFFD_PAGEFAULT_FLAG_WP) != 0;
     int write = wp || (fault_flags & UFFD_PAGEFAULT_FLAG_WRITE);
+    if (m->open_lease && m->open_idx == idx && !write) {   /* its frame is still pinned: install the rest */
+        int ret = install_continue(m, at, m->page, 0);
+        close_open_lease(m);
+        if (ret)
+            fail_page(m, idx, ret);
+        return;
+    }
+    close_open_lease(m);
+    size_t host = ((address - (uintptr_t)at) & ~(uintptr_t)4095) / 4096;   /* the host page within the page */
+    int sequential = host == 0 || (m->last_fault_idx >= 0 && (size_t)m->last_fault_idx + 1 == idx);
+    m->last_fault_idx = (ssize_t)idx;
     if ((m->flags & CHM_MAP_STRICT) && m->strict_last >= 0 && (size_t)m->strict_last != idx &&
         m->frame_of[m->strict_last] >= 0)   /* one page mapped at a time: every page visit reaches the device */
         madvise(m->base + m->strict_last * m->page, m->page, MADV_DONTNEED);
@@ -393,14 +426,24 @@ static void handle_fault(struct chm_map *m, uintptr_t address, uint64_t fault_fl
             wp = 0;   /* a fresh VMA has no entries: install them */
         }
     }
+    int partial = 0;
     if (!ret && wp) {   /* a write to a page installed read-only: the device admitted it, lift the protection */
         struct uffdio_writeprotect u = { .range = { .start = (uintptr_t)at, .len = m->page }, .mode = 0 };
         if (ioctl(m->uffd, UFFDIO_WRITEPROTECT, &u) < 0)
-            ret = install_continue(m, at, write);   /* its entries went meanwhile */
+            ret = install_continue(m, at, m->page, write);   /* its entries went meanwhile */
+    } else if (!ret && !write && !sequential && !(m->flags & CHM_MAP_STRICT)) {
+        ret = install_continue(m, at + host * 4096, 4096, 0);
+        partial = !ret;
     } else if (!ret) {
-        ret = install_continue(m, at, write);
+        ret = install_continue(m, at, m->page, write);
     }
-    map_ack(m, addr, lease, ret != 0);
+    if (partial) {
+        m->open_lease = lease;
+        m->open_idx = idx;
+        m->open_since = chm_now_ns();
+    } else {
+        map_ack(m, addr, lease, ret != 0);
+    }
     if (ret) {
         fail_page(m, idx, ret);
         return;
@@ -417,7 +460,7 @@ static void *handler(void *arg)
     struct pollfd p[3] = { { .fd = m->uffd, .events = POLLIN }, { .fd = m->stop_fd, .events = POLLIN },
                            { .fd = m->pidfd, .events = POLLIN } };
     for (;;) {
-        int n = poll(p, m->pidfd >= 0 ? 3 : 2, 100);
+        int n = poll(p, m->pidfd >= 0 ? 3 : 2, __atomic_load_n(&m->open_lease, __ATOMIC_RELAXED) ? 1 : 100);
         if (n < 0 && errno != EINTR)
             break;
         if (p[1].revents)
@@ -427,6 +470,12 @@ static void *handler(void *arg)
             fail_all(m, -ENODEV);   /* the device is gone: nothing it served may be seen again */
             map_unlock(m);
             p[2].fd = -1;
+        }
+        if (__atomic_load_n(&m->open_lease, __ATOMIC_RELAXED)) {   /* no second fault came for it */
+            map_lock(m);
+            if (m->open_lease && chm_now_ns() - m->open_since >= OPEN_LEASE_NS)
+                close_open_lease(m);
+            map_unlock(m);
         }
         struct uffd_msg msg[16];
         ssize_t got = read(m->uffd, msg, sizeof msg);
@@ -649,7 +698,7 @@ int chm_mmap_range(chm_dev *dev, chm_addr addr, size_t len, void **ptr, unsigned
     m->page = page;
     m->flags = flags;
     m->pages = len / page;
-    m->strict_last = -1;
+    m->strict_last = m->last_fault_idx = -1;
     m->cont_wp = 1;
     m->fault_timeout_ns = env_ms("CHM_MAP_FAULT_TIMEOUT_MS", DEFAULT_FAULT_TIMEOUT_MS) * 1000000ull;
     m->write_timeout_ns = env_ms("CHM_MAP_WRITE_TIMEOUT_MS", DEFAULT_WRITE_TIMEOUT_MS) * 1000000ull;

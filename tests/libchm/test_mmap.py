@@ -105,6 +105,35 @@ def test_an_evicted_page_is_never_seen_stale_or_foreign(small, inline):
         assert dev.stats()["map_punches"] >= 10
 
 
+def _host_pages(page: int) -> bytes:
+    """Page ``page``'s bytes: each of its 16 host pages filled with its own value."""
+    return b"".join(bytes([(page * 16 + h) & 0xFF]) * 4096 for h in range(PAGE // 4096))
+
+
+@MODES
+def test_a_touch_mid_page_installs_its_host_page_and_a_second_one_the_rest(small, inline):
+    """A read fault in the middle of a page installs that host page alone and keeps the lease open (the frame
+    pinned); a second fault on the page installs the rest with no new device access. After churn has evicted
+    the page, a host page never installed still shows its current bytes, never the frame's next page."""
+    base, other = 12 * 1024 * PAGE, 13 * 1024 * PAGE
+    with libchm.Device(small.path) as dev, libchm.Device(small.path) as churn:
+        for i in range(4):
+            dev.write(base + i * PAGE, _host_pages(i))
+        view = dev.mmap(base, 4 * PAGE, inline=inline)
+        before = dev.stats()
+        assert view[2 * PAGE + 5 * 4096] == 2 * 16 + 5
+        assert view[2 * PAGE + 9 * 4096] == 2 * 16 + 9
+        after = dev.stats()
+        assert after["map_faults"] - before["map_faults"] == 1 and after["page_hits"] - before["page_hits"] == 1
+        assert bytes(view[2 * PAGE: 3 * PAGE]) == _host_pages(2)
+        assert view[PAGE + 3 * 4096] == 16 + 3  # page 1: host page 3 only
+        for i in range(2 * DRAM_PAGES):  # another client's pages take every frame
+            churn.write(other + i * PAGE, bytes([0xEE]) * 16)
+        churn.write(base + PAGE, _host_pages(7))  # and page 1 changes meanwhile
+        assert view[PAGE + 3 * 4096] == 7 * 16 + 3 and bytes(view[PAGE: 2 * PAGE]) == _host_pages(7)
+        assert bytes(view[2 * PAGE: 3 * PAGE]) == _host_pages(2)
+
+
 def test_a_store_after_a_flush_survives_eviction(small):
     base, other = 10 * 1024 * PAGE, 11 * 1024 * PAGE
     with libchm.Device(small.path) as dev:
