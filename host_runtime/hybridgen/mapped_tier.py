@@ -7,7 +7,8 @@ wrapped with no copy (``torch.frombuffer``) as ``v_cxl`` [layers, batch, capacit
 * spilling V rows to the tier is plain stores into ``v_cxl`` (each page's first store faults, and the
   device admits it as a one-page write before the store completes);
 * attention's V rows are ``index_select`` loads from ``v_cxl`` (a page's first touch faults and is served
-  by the device as a read of that page would be: DRAM hit, or staged from its SSDs);
+  by the device as a read of that page would be: DRAM hit, or staged from its SSDs; the fault is served in
+  the loading thread, ``CHM_MAP_INLINE``, where the kernel allows it, else by the mapping's handler thread);
 * layer i+1's rows are staged on the device while layer i runs by pointer (``prefetch_ptr`` of the
   mapped address), waited and released as ``HostKV``'s explicit prefetch is.
 
@@ -51,7 +52,12 @@ class MappedHostKV(HostKV):
         if self.v_base + self.v_length > info["capacity_bytes"]:
             raise ValueError(f"capacity {capacity} tokens x batch {batch} needs {self.v_base + self.v_length} bytes "
                              f"of CXL space (V page-aligned); the device has {info['capacity_bytes']}")
-        self._view = cxl.mmap(self.v_base, self.v_length)
+        try:  # faults served in the thread that loads or stores (CHM_MAP_INLINE): no hand-off per fault
+            self._view = cxl.mmap(self.v_base, self.v_length, inline=True)
+        except Exception as exc:  # driver.errors.ChmError; not x86-64, or a kernel without UFFD_FEATURE_SIGBUS
+            if getattr(exc, "errno", None) != errno.EOPNOTSUPP:
+                raise
+            self._view = cxl.mmap(self.v_base, self.v_length)
         rows = n_layers * batch * capacity
         self.v_cxl = torch.frombuffer(self._view, dtype=ROW_DTYPE, count=rows * n_kv_heads * head_dim).view(
             n_layers, batch, capacity, n_kv_heads * head_dim)
@@ -77,7 +83,7 @@ class MappedHostKV(HostKV):
             return super()._cxl_read_rows(kind, layer, seq, slots)
         with self._cxl_lock:  # the handle is shared with the CPU worker's prefetches
             self._wait_staged(kind, layer, seq)
-        # loads through the mapping: its own handler thread serves the faults, no lock needed
+        # loads through the mapping: the mapping serializes its own faults (its queue pair), no lock needed
         out = self.v_cxl[layer, seq].index_select(0, torch.from_numpy(slots)).numpy()
         self.counters.bytes["cxl_read"] += len(slots) * self.row_bytes
         return out
