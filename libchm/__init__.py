@@ -426,6 +426,16 @@ class Device:
             raise ChmError(errno.EFAULT, f"address {address:#x} lies in no mapping of this device")
         return ret
 
+    def map_populate(self, address: int, size: int) -> None:
+        """Fault [address, address+size) of a mapping in now, as reads (chm_map_populate): a page that cannot
+        be served raises ChmError with its errno here, where a load of it would be SIGBUS."""
+        address, size = _integer("address", address), _integer("size", size)
+        ret = lib.chm_map_populate(self.dev, ffi.cast("void *", address), size)
+        if ret == -errno.EFAULT:
+            raise ChmError(errno.EFAULT, f"address {address:#x} lies in no mapping of this device")
+        if ret < 0:
+            _raise(ret, f"map_populate of {size} bytes at {address:#x}")
+
     def prefetch_ptr(self, address: int, size: int) -> int:
         """``prefetch`` of the device bytes that [address, address+size) of a mapping shows (``address`` an
         int inside a view from ``mmap``); wait, poll and release its handle as for ``prefetch``."""

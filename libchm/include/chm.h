@@ -227,7 +227,8 @@ int     chm_munmap(chm_dev *dev, void *ptr);
 int     chm_map_revoke(chm_dev *dev, void *ptr);
 /* Why an access at ptr gets SIGBUS (a -errno), or 0; -EFAULT if ptr is in no mapping of dev. */
 int     chm_map_error(chm_dev *dev, const void *ptr);
-/* Fault [ptr, ptr+size) in now (read). 0, chm_map_error's -errno, -EFAULT, -ERANGE, -EINVAL. */
+/* Fault [ptr, ptr+size) in now (read, by the kernel: a page that cannot be served is its return value, not
+ * SIGBUS). 0, chm_map_error's -errno, -EFAULT, -ERANGE, -EINVAL. */
 int     chm_map_populate(chm_dev *dev, const void *ptr, size_t size);
 /* chm_prefetch_object of the device bytes that [ptr, ptr+size) of a mapping
  * shows; wait and release on the handle as for it. -EFAULT: ptr is in no

@@ -809,6 +809,31 @@ int chm_map_error(chm_dev *dev, const void *ptr)
     return whole ? whole : __atomic_load_n(&m->page_error[((const char *)ptr - m->base) / m->page], __ATOMIC_ACQUIRE);
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22   /* Linux 5.14 */
+#endif
+
+/* Fault one page in as a read by the kernel (MADV_POPULATE_READ), so that a page that cannot be served is
+ * -1 (EFAULT) rather than this thread's SIGBUS. The handler thread serves the kernel's fault; an inline
+ * mapping's fault is SIGBUS to the kernel too, so the page is served here first. A kernel without
+ * MADV_POPULATE_READ: the page is touched. */
+static int populate_page(struct chm_map *m, char *at)
+{
+    if (madvise(at, m->page, MADV_POPULATE_READ) == 0)
+        return 0;
+    if (errno == EINVAL) {
+        (void)*(volatile const char *)at;
+        return 0;
+    }
+    if (errno != EFAULT || !(m->flags & CHM_MAP_INLINE))
+        return -1;
+    map_lock(m);
+    if (!m->error)
+        handle_fault(m, (uintptr_t)at, 0);
+    map_unlock(m);
+    return madvise(at, m->page, MADV_POPULATE_READ);
+}
+
 int chm_map_populate(chm_dev *dev, const void *ptr, size_t size)
 {
     CHECK_DEV(dev);
@@ -820,10 +845,11 @@ int chm_map_populate(chm_dev *dev, const void *ptr, size_t size)
     if (size > m->len - off)
         return -ERANGE;
     for (size_t at = off / m->page * m->page; at < off + size; at += m->page) {
-        (void)*(volatile const char *)(m->base + at);   /* a read fault, served by the handler thread */
         int err = chm_map_error(dev, m->base + at);
         if (err)
-            return err;
+            return err;   /* a failed page: its error, where a touch would be SIGBUS */
+        if (populate_page(m, m->base + at) < 0)
+            return chm_map_error(dev, m->base + at) ?: -EFAULT;
     }
     return 0;
 }

@@ -5,7 +5,7 @@ stdin, answering one line on stdout each (so the test synchronizes on its answer
     $CHM_TEST_MAP_INLINE=1: the mapping is CHM_MAP_INLINE; $CHM_TEST_FAULTHANDLER=1: Python's faulthandler is
     enabled before it (the SIGBUS handler libchm chains to)
     commands: write OFFSET HEX | read OFFSET N | flush | error OFFSET | syscall-read OFFSET | syscall-write OFFSET
-              | touch OFFSET
+              | touch OFFSET | populate OFFSET
               | wait-device-death | quit
 """
 
@@ -60,6 +60,12 @@ def main() -> int:
             answer = "ok"
         elif cmd == "error":
             answer = str(dev.map_error(base + int(args[0])))
+        elif cmd == "populate":  # chm_map_populate of one byte: 0 or its -errno, never SIGBUS
+            try:
+                dev.map_populate(base + int(args[0]), 1)
+                answer = "0"
+            except libchm.ChmError as exc:
+                answer = str(-exc.errno)
         elif cmd == "syscall-read":  # the kernel reads the mapping: EFAULT instead of SIGBUS
             answer = through_a_pipe(lambda r, w: f"wrote {os.write(w, view[int(args[0]): int(args[0]) + 1])}")
         elif cmd == "syscall-write":  # the kernel writes into the mapping (a store fault in kernel mode)

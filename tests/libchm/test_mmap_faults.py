@@ -125,11 +125,32 @@ def _kill_device_under(srv: Server, inline: bool = False) -> None:
         err, ms = child.proc.stdout.readline().split()
         assert int(err) == -errno.ENODEV  # withdrawn: the measured delay `ms` is bench_libchm's figure
         assert child.ask(f"syscall-read {PAGE}") == f"errno {errno.EFAULT}"
+        assert child.ask(f"populate {PAGE}") == str(-errno.ENODEV)  # an error returned, where a touch dies
         child.send(f"touch {PAGE}")  # the page it had mapped: SIGBUS, never the frozen byte
         assert child.proc.wait() == -signal.SIGBUS
         assert "Fatal Python error: Bus error" in child.proc.stderr.read()  # the program's handler had it
     finally:
         child.close()
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["handler-thread", "inline"])
+def test_a_media_error_is_populates_error_and_a_touchs_sigbus(tmp_path, inline):
+    """A page whose media read fails: chm_map_populate returns -EIO (never SIGBUS in the caller), chm_map_error
+    says so, the other pages are served, and a load of the page is SIGBUS."""
+    media_error = ("--set", "faults.errno=EIO", "--set", "faults.ops=read", "--set", "faults.first_failing_op=1",
+                   "--set", "faults.failing_ops=1000000")
+    with Server(tmp_path, None, "--format", *SMALL_DRAM, *media_error) as srv:
+        child = Child(srv.node, inline)
+        try:
+            assert child.ask(f"populate {6 * PAGE}") == str(-errno.EIO)
+            assert child.ask(f"error {6 * PAGE}") == str(-errno.EIO) and child.ask(f"error {7 * PAGE}") == "0"
+            with libchm.Device(srv.path) as dev:
+                dev.write(7 * PAGE, b"\x33" * PAGE)  # a whole page written: in DRAM with no media read
+            assert child.ask(f"read {7 * PAGE} 1") == "33"
+            child.send(f"touch {6 * PAGE}")
+            assert child.proc.wait() == -signal.SIGBUS
+        finally:
+            child.close()
 
 
 def test_inline_faults_leave_syscalls_efault_until_touched(device):
@@ -140,6 +161,8 @@ def test_inline_faults_leave_syscalls_efault_until_touched(device):
         assert child.ask(f"syscall-read {7 * PAGE}") == f"errno {errno.EFAULT}"
         assert child.ask(f"touch {7 * PAGE}") == "0"
         assert child.ask(f"syscall-read {7 * PAGE}") == "wrote 1"
+        assert child.ask(f"populate {8 * PAGE}") == "0"  # served in the calling thread: the kernel may read it
+        assert child.ask(f"syscall-read {8 * PAGE}") == "wrote 1"
         assert child.ask(f"write {9 * PAGE + 1} 7f") == "ok"  # a first store: a write fault, admitted
         with libchm.Device(device.path) as dev:
             assert dev.read(9 * PAGE + 1, 1) == b"\x7f" and dev.stats()["map_write_faults"] == 1
@@ -163,6 +186,7 @@ def test_a_store_the_device_refuses_past_the_timeout_is_sigbus(tmp_path, inline)
             if not inline:  # (inline: a syscall on a page not mapped yet is EFAULT at once, device or not)
                 assert child.ask(f"syscall-write {3 * PAGE}") == f"errno {errno.EFAULT}"  # held 200 ms, refused
                 assert child.ask(f"error {3 * PAGE}") == str(-errno.ENOSPC) and child.ask(f"error {PAGE}") == "0"
+                assert child.ask(f"populate {3 * PAGE}") == str(-errno.ENOSPC)
             child.send(f"write {5 * PAGE} 22")
             assert child.proc.wait() == -signal.SIGBUS  # a plain store gets SIGBUS, held 200 ms first
         finally:
