@@ -12,8 +12,10 @@
     mapping (faults served by its handler thread, and CHM_MAP_INLINE: in the
     faulting thread) against chm_read of the same 4 KiB, sequential and random, on DRAM
     hits and on misses (every contender in turn in each round, same pages),
-    the kernel's floor for such a first touch beside them (a frame of a memfd
-    mapped over the page, MAP_FIXED, and touched: no device, no handler),
+    the kernel's floors for such a first touch beside them (a frame of a memfd
+    mapped over the page, MAP_FIXED, and touched; and, with no VMA operation at
+    all, a userfaultfd MINOR fault delivered as SIGBUS and one UFFDIO_CONTINUE:
+    no device, no handler of ours),
     memcpy out of resident mapped pages against memcpy of private memory, and
     the time from a device's kill -9 to its client's mapping being withdrawn.
 
@@ -58,6 +60,11 @@ MAP_DEVICE = ("--policy", "lru", "--set", "dram.size_bytes=33554432", "--set", "
 MAP_PAGES = 256
 MAP_CASES = ("hit_seq", "hit_rand", "miss_seq", "miss_rand")
 MAP_MODES = {"map": "chm_mmap", "inline": "chm_mmap CHM_MAP_INLINE"}  # bench_map's contenders: who serves a fault
+FLOORS = {  # bench_map's floors of a random no-copy first touch, no device, no handler of ours
+    "rand_floor": "mmap(MAP_FIXED) of a frame + its first touch",
+    "rand_fault_delivery": "a userfaultfd MINOR fault as SIGBUS + one UFFDIO_CONTINUE, frames at their pages' "
+                           "offsets (no VMA operation)",
+}
 CUT_OFF_LEASE_MS = 100  # chm serve's default --map-lease-ms
 
 
@@ -128,9 +135,10 @@ def _map_cases(work: Path, node: str, exe: Path, rounds: int, deaths: int) -> di
                     **{f"x_read_{mode}": lines[f"{case}_{mode}"]["p50_ns"] / max(1, lines[case + "_read"]["p50_ns"])
                        for mode in MAP_MODES}}
              for case in MAP_CASES}
-    floor = lines["rand_floor"]
-    floor["x_read"] = floor["p50_ns"] / max(1, lines["hit_rand_read"]["p50_ns"])
-    return {"first_touch": cases, "floor": floor, "stats": lines["stats"], "resident": resident, "scan": scan,
+    floors = {name: lines[name] for name in FLOORS if name in lines}
+    for floor in floors.values():
+        floor["x_read"] = floor["p50_ns"] / max(1, lines["hit_rand_read"]["p50_ns"])
+    return {"first_touch": cases, "floors": floors, "stats": lines["stats"], "resident": resident, "scan": scan,
             "cut_off_ms": cut_off_ms, "lease_ms": CUT_OFF_LEASE_MS,
             "resident_share": resident["mapped_gbps"] / resident["memcpy_gbps"],
             "withdrawn_ms": withdrawn, "withdrawn_ms_median": statistics.median(withdrawn) if withdrawn else None}
@@ -171,9 +179,9 @@ def _print_map(mapped: dict, rounds: int) -> None:
             x = "" if who == "read" else \
                 f"  p50 {r['x_read_' + who]:.2f}x ({_goal(r['x_read_' + who] <= FIRST_TOUCH_GOAL_X_READ)})"
             print(f"    {label:<54} {r[who]['p50_ns'] / 1000:8.2f} us  {r[who]['p99_ns'] / 1000:8.2f} us{x}")
-    fl = mapped["floor"]
-    print(f"    kernel floor, random: mmap(MAP_FIXED) of a frame + its first touch, no device, no handler "
-          f"{fl['p50_ns'] / 1000:.2f} us p50 = {fl['x_read']:.2f}x chm_read's hit")
+    for name, fl in mapped["floors"].items():
+        print(f"    kernel floor, random: {FLOORS[name]}, no device: {fl['p50_ns'] / 1000:.2f} us p50 = "
+              f"{fl['x_read']:.2f}x chm_read's hit")
     res = mapped["resident"]
     print(f"    resident mapped pages, 16 MiB memcpy: {res['mapped_gbps']:.2f} GB/s, private memory "
           f"{res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%}; "
@@ -198,11 +206,11 @@ def _map_rows(mapped: dict) -> list[tuple[str, str, str, str]]:
                          f"chm_read of the same 4 KiB: {r['read']['p50_ns'] / 1000:.2f} / "
                          f"{r['read']['p99_ns'] / 1000:.2f} µs (p50 {r['x_read_' + mode]:.2f}x)",
                          f"p50 ≤ {FIRST_TOUCH_GOAL_X_READ:g}x chm_read"))
-    fl = mapped["floor"]
-    rows.append(("kernel floor of a no-copy 4 KiB first touch, rand: mmap(MAP_FIXED) of a frame + its first "
-                 "touch, no device, no handler, p50 / p99", f"{fl['p50_ns'] / 1000:.2f} / {fl['p99_ns'] / 1000:.2f} µs",
-                 f"chm_read hit rand p50 {mapped['first_touch']['hit_rand']['read']['p50_ns'] / 1000:.2f} µs "
-                 f"(floor {fl['x_read']:.2f}x)", "the least any mapping of the frame pays"))
+    for name, fl in mapped["floors"].items():
+        rows.append((f"kernel floor of a no-copy 4 KiB first touch, rand: {FLOORS[name]}, no device, p50 / p99",
+                     f"{fl['p50_ns'] / 1000:.2f} / {fl['p99_ns'] / 1000:.2f} µs",
+                     f"chm_read hit rand p50 {mapped['first_touch']['hit_rand']['read']['p50_ns'] / 1000:.2f} µs "
+                     f"(floor {fl['x_read']:.2f}x)", "the least such a mapping pays"))
     res = mapped["resident"]
     rows.append(("16 MiB memcpy out of resident mapped pages", f"{res['mapped_gbps']:.2f} GB/s",
                  f"memcpy of private memory {res['memcpy_gbps']:.2f} GB/s ({mapped['resident_share']:.0%})",
