@@ -142,8 +142,10 @@ static void delivery_sigbus(int sig, siginfo_t *si, void *uc)
         if (ioctl(delivery_uffd, UFFDIO_CONTINUE, &c) == 0 || errno == EEXIST)
             return;
     }
-    if (delivery_before.sa_flags & SA_SIGINFO)
+    if ((delivery_before.sa_flags & SA_SIGINFO) && delivery_before.sa_sigaction)
         delivery_before.sa_sigaction(sig, si, uc);
+    else   /* the access is retried under the disposition from before (the default: death) */
+        sigaction(SIGBUS, &delivery_before, NULL);
 }
 
 /* 0, or -errno where the kernel lacks what it needs (the row is then left out). */

@@ -43,6 +43,12 @@ HANDLE_MAX = 2**63 - 1         # chm_req is an int64_t
 TIMEOUT_MS_MAX = 2**31 - 1     # chm_prefetch_wait takes an int
 
 
+def _in_a_mapping(ret: int, address: int) -> None:
+    """The -EFAULT of a chm_map_* call, raised with what it means."""
+    if ret == -errno.EFAULT:
+        raise ChmError(errno.EFAULT, f"address {address:#x} lies in no mapping of this device")
+
+
 def _raise(ret: int, what: str, written: int = 0):
     err = -ret
     message = f"{what}: {ffi.string(lib.chm_strerror(ret)).decode()}"
@@ -394,9 +400,12 @@ class Device:
         ret = lib.chm_mmap_range(self.dev, addr, length, out, flags)
         if ret == -errno.EOPNOTSUPP:
             why = lib.chm_mmap_unsupported()
-            why = ffi.string(why).decode() if why != ffi.NULL else \
-                "the device moves no bytes (emulation.data is off): there is nothing to map" if not inline else \
-                "the device moves no bytes, or CHM_MAP_INLINE lacks the kernel's UFFD_FEATURE_SIGBUS or x86-64"
+            if why != ffi.NULL:
+                why = ffi.string(why).decode()
+            elif inline:
+                why = "the device moves no bytes, or CHM_MAP_INLINE lacks the kernel's UFFD_FEATURE_SIGBUS or x86-64"
+            else:
+                why = "the device moves no bytes (emulation.data is off): there is nothing to map"
             raise ChmError(errno.EOPNOTSUPP, f"mmap of {length} bytes at {addr}: {why}")
         if ret < 0:
             _raise(ret, f"mmap of {length} bytes at {addr}")
@@ -422,8 +431,7 @@ class Device:
         """Why an access at ``address`` (an int, e.g. ``ctypes.addressof``, ``tensor.data_ptr()``) of a mapping
         gets SIGBUS: a -errno, or 0."""
         ret = lib.chm_map_error(self.dev, ffi.cast("void *", _integer("address", address)))
-        if ret == -errno.EFAULT:
-            raise ChmError(errno.EFAULT, f"address {address:#x} lies in no mapping of this device")
+        _in_a_mapping(ret, address)
         return ret
 
     def map_populate(self, address: int, size: int) -> None:
@@ -431,8 +439,7 @@ class Device:
         be served raises ChmError with its errno here, where a load of it would be SIGBUS."""
         address, size = _integer("address", address), _integer("size", size)
         ret = lib.chm_map_populate(self.dev, ffi.cast("void *", address), size)
-        if ret == -errno.EFAULT:
-            raise ChmError(errno.EFAULT, f"address {address:#x} lies in no mapping of this device")
+        _in_a_mapping(ret, address)
         if ret < 0:
             _raise(ret, f"map_populate of {size} bytes at {address:#x}")
 

@@ -50,6 +50,7 @@
 #define WAIT_SLICE_NS 5000000ull          /* while waiting for an answer, look at the device's pidfd this often */
 #define OPEN_LEASE_NS 1000000ull         /* a read lease left open (close_open_lease) is acknowledged by then */
 #define INLINE_MAPS_MAX 64u              /* CHM_MAP_INLINE mappings a process holds at once */
+#define HOST_PAGE 4096u                  /* the kernel's page: a frame of 64 KiB has 16 */
 #define NO_FRAME -1
 #define DEAD_PAGE -2
 
@@ -359,7 +360,7 @@ static int install_continue(struct chm_map *m, char *at, size_t len, int write)
         }
         if (err == EEXIST || (c.mapped < 0 && c.mapped == -EEXIST)) {
             size_t done = c.mapped > 0 ? (size_t)c.mapped : 0;
-            off += done ? done : 4096;
+            off += done ? done : HOST_PAGE;
             continue;
         }
         if (err == EAGAIN) {
@@ -394,7 +395,7 @@ static void handle_fault(struct chm_map *m, uintptr_t address, uint64_t fault_fl
         return;
     }
     close_open_lease(m);
-    size_t host = ((address - (uintptr_t)at) & ~(uintptr_t)4095) / 4096;   /* the host page within the page */
+    size_t host = (address - (uintptr_t)at) / HOST_PAGE;   /* the host page within the page */
     int sequential = host == 0 || (m->last_fault_idx >= 0 && (size_t)m->last_fault_idx + 1 == idx);
     m->last_fault_idx = (ssize_t)idx;
     if ((m->flags & CHM_MAP_STRICT) && m->strict_last >= 0 && (size_t)m->strict_last != idx &&
@@ -432,7 +433,7 @@ static void handle_fault(struct chm_map *m, uintptr_t address, uint64_t fault_fl
         if (ioctl(m->uffd, UFFDIO_WRITEPROTECT, &u) < 0)
             ret = install_continue(m, at, m->page, write);   /* its entries went meanwhile */
     } else if (!ret && !write && !sequential && !(m->flags & CHM_MAP_STRICT)) {
-        ret = install_continue(m, at + host * 4096, 4096, 0);
+        ret = install_continue(m, at + host * HOST_PAGE, HOST_PAGE, 0);
         partial = !ret;
     } else if (!ret) {
         ret = install_continue(m, at, m->page, write);
@@ -449,6 +450,18 @@ static void handle_fault(struct chm_map *m, uintptr_t address, uint64_t fault_fl
         return;
     }
     m->strict_last = (ssize_t)idx;   /* CONTINUE and the write-protect lift woke the faulting threads */
+}
+
+/* handle_fault under the mapping's lock, unless the mapping or the page has failed: then 0 (not served: the
+ * access is retried onto the failed page's SIGBUS). */
+static int serve_fault(struct chm_map *m, uintptr_t address, uint64_t fault_flags)
+{
+    map_lock(m);
+    int served = !m->error && m->frame_of[(address - (uintptr_t)m->base) / m->page] != DEAD_PAGE;
+    if (served)
+        handle_fault(m, address, fault_flags);
+    map_unlock(m);
+    return served;
 }
 
 static void *handler(void *arg)
@@ -482,12 +495,9 @@ static void *handler(void *arg)
         for (ssize_t i = 0; got > 0 && i < got / (ssize_t)sizeof msg[0]; i++) {
             if (msg[i].event != UFFD_EVENT_PAGEFAULT)
                 continue;
-            map_lock(m);
-            if (m->error)
-                uffd_wake(m, (void *)(uintptr_t)msg[i].arg.pagefault.address, 1);
-            else
-                handle_fault(m, (uintptr_t)msg[i].arg.pagefault.address, msg[i].arg.pagefault.flags);
-            map_unlock(m);
+            uintptr_t address = (uintptr_t)msg[i].arg.pagefault.address;
+            if (!serve_fault(m, address, msg[i].arg.pagefault.flags))
+                uffd_wake(m, (void *)address, 1);
         }
     }
     return NULL;
@@ -526,21 +536,16 @@ static void on_sigbus(int sig, siginfo_t *si, void *ucontext)
         struct chm_map *m = __atomic_load_n(&inline_maps[i], __ATOMIC_ACQUIRE);
         if (!m || address - (uintptr_t)m->base >= m->len)
             continue;
-        size_t idx = (address - (uintptr_t)m->base) / m->page;
-        map_lock(m);
-        if (!m->error && m->frame_of[idx] != DEAD_PAGE) {   /* a failed page: the program's SIGBUS */
-            uint64_t flags = 0;
+        uint64_t flags = 0;
 #if defined(__x86_64__)
-            greg_t err = ((ucontext_t *)ucontext)->uc_mcontext.gregs[REG_ERR];   /* the page fault's error code */
-            if (err & 2)
-                flags |= UFFD_PAGEFAULT_FLAG_WRITE;
-            if ((err & 3) == 3)   /* a write to a present page: write-protected */
-                flags |= UFFD_PAGEFAULT_FLAG_WP;
+        greg_t err = ((ucontext_t *)ucontext)->uc_mcontext.gregs[REG_ERR];   /* the page fault's error code */
+        if (err & 2)
+            flags |= UFFD_PAGEFAULT_FLAG_WRITE;
+        if ((err & 3) == 3)   /* a write to a present page: write-protected */
+            flags |= UFFD_PAGEFAULT_FLAG_WP;
 #endif
-            handle_fault(m, address, flags);
-            served = 1;   /* installed, or failed: then the retried access is the program's SIGBUS */
-        }
-        map_unlock(m);
+        /* installed, or failed while served: either way retried; a page failed before: the program's SIGBUS */
+        served = serve_fault(m, address, flags);
         break;
     }
     __atomic_sub_fetch(&inline_in_handler, 1, __ATOMIC_SEQ_CST);
@@ -827,10 +832,7 @@ static int populate_page(struct chm_map *m, char *at)
     }
     if (errno != EFAULT || !(m->flags & CHM_MAP_INLINE))
         return -1;
-    map_lock(m);
-    if (!m->error)
-        handle_fault(m, (uintptr_t)at, 0);
-    map_unlock(m);
+    serve_fault(m, (uintptr_t)at, 0);
     return madvise(at, m->page, MADV_POPULATE_READ);
 }
 
